@@ -1,0 +1,130 @@
+"""Classify each patch of the series against one source tree.
+
+For each patch, in series order, on the tree as the earlier patches left it:
+1. it reverse-applies            -> landed upstream (the same change is there);
+2. it has probes and all match   -> landed upstream (written differently);
+3. it applies (fuzz 0 default)   -> applies (noting any offsets);
+4. otherwise                     -> conflict (file, hunk, and the lines that differ).
+Only patches that apply change the tree the next patch sees.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+from dataclasses import dataclass, field
+
+from ..errors import BundleError
+from ..series.apply import HunkFailure, HunkResult, VirtualTree, apply_file_patch
+from ..series.patch import Patch, Series
+from ..series.probes import probe_matches
+from ..source.pin import SourceTree
+
+
+class Outcome(str, enum.Enum):
+    APPLIES = "applies"
+    LANDED = "landed upstream"
+    CONFLICT = "conflict"
+
+
+@dataclass(frozen=True)
+class Conflict:
+    path: str
+    hunk: int
+    hunk_line: int  # the hunk's old-side start line
+    differs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PatchResult:
+    patch: str
+    outcome: Outcome
+    offsets: tuple[tuple[str, int, int], ...] = ()  # (path, hunk, offset) where offset != 0
+    landed_by: str | None = None  # "reverse-apply" | "probe"
+    conflict: Conflict | None = None
+
+    def summary(self) -> str:
+        if self.outcome is Outcome.APPLIES:
+            if not self.offsets:
+                return "applies"
+            return "applies with offsets: " + ", ".join(f"{p} hunk #{h} {o:+d}" for p, h, o in self.offsets)
+        if self.outcome is Outcome.LANDED:
+            return f"landed upstream ({self.landed_by})"
+        c = self.conflict
+        assert c is not None
+        return f"conflict: {c.path} hunk #{c.hunk} (line {c.hunk_line})"
+
+
+@dataclass
+class VersionReport:
+    version: str
+    origin: str
+    sha256: str | None
+    results: list[PatchResult] = field(default_factory=list)
+    error: str | None = None
+    error_code: int = 0
+    tree: VirtualTree | None = field(default=None, repr=False)
+
+    @property
+    def worst(self) -> str:
+        if self.error:
+            return "could not run"
+        outcomes = {r.outcome for r in self.results}
+        for o in (Outcome.CONFLICT, Outcome.LANDED):
+            if o in outcomes:
+                return o.value
+        return Outcome.APPLIES.value
+
+
+EXIT_APPLIES, EXIT_LANDED, EXIT_CONFLICT = 0, 10, 20
+
+
+def exit_code(reports: list[VersionReport]) -> int:
+    """Worst first: could not run (that error's code) > conflict > landed > applies."""
+    for r in reports:
+        if r.error:
+            return r.error_code or BundleError.exit_code
+    worst = {r.worst for r in reports}
+    if Outcome.CONFLICT.value in worst:
+        return EXIT_CONFLICT
+    if Outcome.LANDED.value in worst:
+        return EXIT_LANDED
+    return EXIT_APPLIES
+
+
+def _try_apply(tree: VirtualTree, patch: Patch, fuzz: int, reverse: bool = False) -> list[tuple[str, HunkResult]]:
+    """Apply (or reverse-apply) every file of ``patch`` on ``tree``; raise HunkFailure, tree untouched."""
+    scratch = VirtualTree(tree.root, dict(tree.edits))
+    results = []
+    for fp in patch.files:
+        for r in apply_file_patch(scratch, fp.reversed() if reverse else fp, fuzz):
+            results.append((fp.path, r))
+    tree.edits = scratch.edits
+    return results
+
+
+def classify(tree: VirtualTree, patch: Patch, fuzz: int = 0) -> PatchResult:
+    probe_tree = VirtualTree(tree.root, dict(tree.edits))
+    try:
+        _try_apply(copy.copy(probe_tree), patch, 0, reverse=True)
+        return PatchResult(patch.id, Outcome.LANDED, landed_by="reverse-apply")
+    except HunkFailure:
+        pass
+    if patch.probes and all(probe_matches(probe_tree, p) for p in patch.probes):
+        return PatchResult(patch.id, Outcome.LANDED, landed_by="probe")
+    try:
+        applied = _try_apply(tree, patch, fuzz)
+    except HunkFailure as failure:
+        conflict = Conflict(failure.path, failure.index, failure.hunk.old_start, tuple(failure.diff_lines()))
+        return PatchResult(patch.id, Outcome.CONFLICT, conflict=conflict)
+    offsets = tuple((path, r.index, r.offset) for path, r in applied if r.offset)
+    return PatchResult(patch.id, Outcome.APPLIES, offsets=offsets)
+
+
+def check_tree(series: Series, source: SourceTree, fuzz: int = 0) -> VersionReport:
+    """Classify every patch on a pristine copy of ``source`` (held in memory)."""
+    tree = VirtualTree(source.root)
+    report = VersionReport(source.version, source.origin, source.sha256, tree=tree)
+    for patch in series.patches:
+        report.results.append(classify(tree, patch, fuzz))
+    return report

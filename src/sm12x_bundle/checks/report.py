@@ -1,0 +1,87 @@
+"""Render check results: a table for people, JSON for tools, JUnit XML for CI systems."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+from .check import Outcome, VersionReport
+
+
+def table(reports: list[VersionReport]) -> str:
+    rows = [("vLLM", "patch", "result")]
+    details: list[str] = []
+    for r in reports:
+        if r.error:
+            rows.append((r.version, "-", f"could not run: {r.error}"))
+            continue
+        for res in r.results:
+            rows.append((r.version, res.patch, res.summary()))
+            if res.conflict:
+                details.append(f"vLLM {r.version}, {res.patch}: {res.summary()}")
+                details.extend("    " + line for line in res.conflict.differs)
+    widths = [max(len(row[i]) for row in rows) for i in range(2)]
+    lines = [f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c}" for a, b, c in rows]
+    lines.insert(1, "-" * min(100, max(len(x) for x in lines)))
+    if details:
+        lines += ["", "Conflicts:"] + details
+    return "\n".join(lines) + "\n"
+
+
+def to_json(reports: list[VersionReport]) -> str:
+    out = []
+    for r in reports:
+        entry = {"version": r.version, "source": r.origin, "sha256": r.sha256, "result": r.worst}
+        if r.error:
+            entry["error"] = r.error
+        entry["patches"] = [
+            {
+                "patch": res.patch,
+                "outcome": res.outcome.value,
+                "offsets": [{"path": p, "hunk": h, "offset": o} for p, h, o in res.offsets],
+                "landed_by": res.landed_by,
+                "conflict": None
+                if res.conflict is None
+                else {
+                    "path": res.conflict.path,
+                    "hunk": res.conflict.hunk,
+                    "line": res.conflict.hunk_line,
+                    "differs": list(res.conflict.differs),
+                },
+            }
+            for res in r.results
+        ]
+        out.append(entry)
+    return json.dumps(out, indent=2, sort_keys=True) + "\n"
+
+
+def to_junit(reports: list[VersionReport]) -> str:
+    """One testsuite per vLLM version, one testcase per patch.
+
+    A conflict is a failure; a landed patch is 'skipped' with the reason, so CI shows
+    it without failing the build; a version that could not run is an error.
+    """
+    suites = ET.Element("testsuites", name="sm12x-bundle check")
+    for r in reports:
+        suite = ET.SubElement(suites, "testsuite", name=f"vllm-{r.version}")
+        counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+        if r.error:
+            case = ET.SubElement(suite, "testcase", classname=f"vllm-{r.version}", name="fetch")
+            ET.SubElement(case, "error", message=r.error)
+            counts["tests"] += 1
+            counts["errors"] += 1
+        for res in r.results:
+            case = ET.SubElement(suite, "testcase", classname=f"vllm-{r.version}", name=res.patch)
+            counts["tests"] += 1
+            if res.outcome is Outcome.CONFLICT:
+                assert res.conflict is not None
+                failure = ET.SubElement(case, "failure", message=res.summary())
+                failure.text = "\n".join(res.conflict.differs)
+                counts["failures"] += 1
+            elif res.outcome is Outcome.LANDED:
+                ET.SubElement(case, "skipped", message=res.summary())
+                counts["skipped"] += 1
+        for key, value in counts.items():
+            suite.set(key, str(value))
+    ET.indent(suites)
+    return ET.tostring(suites, encoding="unicode", xml_declaration=True) + "\n"

@@ -1,0 +1,54 @@
+"""The one choke point for external commands.
+
+Every subprocess the tool starts goes through :func:`run`, which echoes ``+ cmd`` to
+stderr (so an operator can rerun it by hand) and raises :class:`CommandError` with the
+command's own output when it fails. Unit tests patch this single function.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from .errors import CommandError
+
+
+def run(
+    argv: Sequence[str | os.PathLike[str]],
+    *,
+    cwd: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    echo: bool = True,
+    capture: bool = True,
+    timeout: float | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``argv``; return the completed process or raise CommandError."""
+    args = [os.fspath(a) for a in argv]
+    if echo:
+        print("+ " + shlex.join(args), file=sys.stderr, flush=True)
+    try:
+        proc = subprocess.run(
+            args,
+            cwd=cwd,
+            env=None if env is None else dict(env),
+            text=True,
+            capture_output=capture,
+            timeout=timeout,
+            check=False,
+        )
+    except FileNotFoundError as exc:
+        raise CommandError(f"{args[0]} not found: install it or put it on PATH") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise CommandError(f"{shlex.join(args)} did not finish within {timeout} s") from exc
+    if proc.returncode != 0:
+        output = ((proc.stdout or "") + (proc.stderr or "")).strip()
+        tail = "\n".join(output.splitlines()[-30:])
+        raise CommandError(
+            f"{shlex.join(args)} failed with exit code {proc.returncode}"
+            + (f":\n{tail}" if tail else "")
+        )
+    return proc

@@ -1,0 +1,54 @@
+"""Typed errors. Each kind of failure has its own exit code, documented in --help.
+
+Library code raises these; only ``cli.main`` turns them into a message and an exit code.
+"""
+
+from __future__ import annotations
+
+
+class BundleError(Exception):
+    """Base class: a failure the operator can act on. The message is one sentence."""
+
+    exit_code = 2
+
+
+class ConfigError(BundleError):
+    """The configuration file (or a command-line override) is malformed."""
+
+    exit_code = 3
+
+
+class FetchError(BundleError):
+    """The pinned source could not be fetched, verified or extracted."""
+
+    exit_code = 4
+
+
+class SeriesError(BundleError):
+    """The patch series is malformed or unsafe."""
+
+    exit_code = 5
+
+
+class ApplyError(BundleError):
+    """A patch does not apply to the tree it must apply to."""
+
+    exit_code = 6
+
+
+class CommandError(BundleError):
+    """An external command (compiler, docker) failed."""
+
+    exit_code = 7
+
+
+class EngineError(BundleError):
+    """The container engine is unreachable or refused an operation."""
+
+    exit_code = 8
+
+
+class VerifyError(BundleError):
+    """A built artifact failed its check (hash, compile, import, pre-image)."""
+
+    exit_code = 9

@@ -1,0 +1,3 @@
+"""(placeholder: being written)"""
+
+COMMANDS: dict = {}

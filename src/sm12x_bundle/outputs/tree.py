@@ -1,0 +1,57 @@
+"""The patched tree: the pristine tree with the series applied, written atomically."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from ..checks.check import Outcome, VersionReport, check_tree
+from ..errors import ApplyError
+from ..fsutil import replace_dir
+from ..series.apply import FileText
+from ..series.patch import Series
+from ..source.pin import SourceTree
+
+
+def patched_files(series: Series, source: SourceTree, fuzz: int = 0) -> tuple[VersionReport, dict[str, FileText | None]]:
+    """Apply the series in memory; raise ApplyError naming the first conflict."""
+    report = check_tree(series, source, fuzz)
+    for res in report.results:
+        if res.outcome is Outcome.CONFLICT:
+            c = res.conflict
+            assert c is not None
+            raise ApplyError(
+                f"patch {res.patch} does not apply to vLLM {source.version} ({source.origin}): "
+                f"{c.path} hunk #{c.hunk} at line {c.hunk_line}:\n  " + "\n  ".join(c.differs)
+            )
+    assert report.tree is not None
+    return report, report.tree.changed()
+
+
+def _mtime(path: Path) -> float:
+    # A patched file gets a fixed mtime that differs from the original's, so reruns
+    # give the same tree and no stale bytecode can match it by size and mtime.
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    return float(epoch) if epoch else path.stat().st_mtime + 1
+
+
+def write_tree(series: Series, source: SourceTree, out: Path, fuzz: int = 0) -> VersionReport:
+    """Write the patched tree to ``out``: all of it, or (on any failure) nothing."""
+    report, changes = patched_files(series, source, fuzz)
+    with replace_dir(out) as staging:
+        shutil.copytree(source.root, staging, symlinks=True, dirs_exist_ok=True)
+        for rel, text in sorted(changes.items()):
+            dest = staging / rel
+            if text is None:
+                dest.unlink()
+                continue
+            original = source.root / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if dest.exists():
+                dest.unlink()  # never write through a hard link into the cache
+            dest.write_bytes(text.to_bytes())
+            os.chmod(dest, text.mode)
+            stamp = _mtime(original) if original.exists() else float(os.environ.get("SOURCE_DATE_EPOCH", 0))
+            os.utime(dest, (stamp, stamp))
+    return report

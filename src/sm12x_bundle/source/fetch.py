@@ -1,0 +1,96 @@
+"""Download an sdist into the cache, verifying its sha256 before anything uses it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from ..errors import FetchError
+from ..progress import Progress
+from .cache import locked
+
+_CHUNK = 1 << 20
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(_CHUNK), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _entry(cache: Path, sha256: str, filename: str) -> Path:
+    return cache / "sdists" / sha256 / filename
+
+
+def cached_sdist(cache: Path, pin) -> Path | None:
+    """The cached sdist for a pin with a known sha256, if a verified copy is there."""
+    if pin.sha256 is None:
+        return None
+    path = _entry(cache, pin.sha256, pin.filename)
+    return path if path.is_file() else None
+
+
+def download(
+    url: str, sha256: str, cache: Path, filename: str, *, progress: Progress | None = None
+) -> Path:
+    """Fetch ``url`` into the cache; a hash mismatch leaves nothing behind."""
+    dest = _entry(cache, sha256, filename)
+    with locked(cache, sha256):
+        if dest.is_file():  # another run finished it while we waited
+            return dest
+        staging = cache / "tmp"
+        staging.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=filename + ".", dir=staging)
+        tmp = Path(tmp_name)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                digest = _stream(url, out, filename, progress)
+            if digest != sha256:
+                raise FetchError(
+                    f"sha256 mismatch for {filename} from {url}: expected {sha256}, "
+                    f"got {digest}; the download was discarded"
+                )
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return dest
+
+
+def _stream(url: str, out, filename: str, progress: Progress | None) -> str:
+    h = hashlib.sha256()
+    try:
+        with urllib.request.urlopen(url, timeout=120) as response:
+            total = int(response.headers.get("Content-Length") or 0) or None
+            task = (progress or Progress.quiet()).task(f"downloading {filename}", total)
+            for block in iter(lambda: response.read(_CHUNK), b""):
+                h.update(block)
+                out.write(block)
+                task.advance(len(block))
+            task.done()
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise FetchError(f"download of {url} failed: {reason}") from None
+    return h.hexdigest()
+
+
+def store(local: Path, sha256: str, cache: Path, filename: str) -> Path:
+    """Copy an already-verified local sdist into the cache (atomically)."""
+    dest = _entry(cache, sha256, filename)
+    with locked(cache, sha256):
+        if not dest.is_file():
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dest.with_name(dest.name + ".tmp")
+            shutil.copyfile(local, tmp)
+            if sha256_of(tmp) != sha256:  # changed under us between hash and copy
+                tmp.unlink()
+                raise FetchError(f"{local} changed while it was being copied")
+            os.replace(tmp, dest)
+    return dest

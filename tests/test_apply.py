@@ -1,0 +1,146 @@
+import os
+from pathlib import Path
+
+import pytest
+
+from patchkit import make_patch, write_series
+from sm12x_bundle.checks.check import Outcome, check_tree, exit_code
+from sm12x_bundle.errors import ApplyError, SeriesError
+from sm12x_bundle.outputs.tree import write_tree
+from sm12x_bundle.series.apply import HunkFailure, VirtualTree, apply_file_patch
+from sm12x_bundle.series.patch import load_series, parse_patch
+from sm12x_bundle.source.pin import SourceTree
+
+BODY = "".join(f"line {i}\n" for i in range(1, 41))
+
+
+def tree_with(tmp_path: Path, files: dict[str, str]) -> SourceTree:
+    root = tmp_path / "tree"
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return SourceTree(root, "9.9.9", None, "test tree")
+
+
+def one(text: str):
+    return parse_patch(text, Path("0001-x.patch")).files[0]
+
+
+def test_applies_and_reports_offset(tmp_path):
+    src = tree_with(tmp_path, {"f.py": "extra\nextra\n" + BODY})
+    fp = one(make_patch({"f.py": (BODY, BODY.replace("line 20\n", "LINE 20\n"))}))
+    vt = VirtualTree(src.root)
+    [result] = apply_file_patch(vt, fp)
+    assert result.offset == 2
+    assert vt.edits["f.py"].lines[21] == "LINE 20"
+
+
+def test_conflict_reports_lines_that_differ(tmp_path):
+    src = tree_with(tmp_path, {"f.py": BODY.replace("line 19\n", "line nineteen\n")})
+    fp = one(make_patch({"f.py": (BODY, BODY.replace("line 20\n", "LINE 20\n"))}))
+    with pytest.raises(HunkFailure) as exc:
+        apply_file_patch(VirtualTree(src.root), fp)
+    assert exc.value.index == 1
+    assert "line 19: expected 'line 19'" in exc.value.diff_lines()[0]
+    assert "found 'line nineteen'" in exc.value.diff_lines()[1]
+
+
+def test_fuzz_zero_refuses_what_fuzz_one_accepts(tmp_path):
+    src = tree_with(tmp_path, {"f.py": BODY.replace("line 17\n", "changed 17\n")})
+    fp = one(make_patch({"f.py": (BODY, BODY.replace("line 20\n", "LINE 20\n"))}))
+    with pytest.raises(HunkFailure):
+        apply_file_patch(VirtualTree(src.root), fp, fuzz=0)
+    vt = VirtualTree(src.root)
+    [result] = apply_file_patch(vt, fp, fuzz=1)
+    assert result.fuzz == 1 and "LINE 20" in vt.edits["f.py"].lines
+
+
+def test_new_and_deleted_files(tmp_path):
+    src = tree_with(tmp_path, {"gone.py": "bye\n"})
+    patch = parse_patch(make_patch({"new/mod.py": (None, "hi\n"), "gone.py": ("bye\n", None)}), Path("p.patch"))
+    vt = VirtualTree(src.root)
+    for fp in patch.files:
+        apply_file_patch(vt, fp)
+    assert vt.edits["new/mod.py"].to_bytes() == b"hi\n"
+    assert vt.edits["gone.py"] is None
+
+
+def test_symlink_escape_is_refused(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "f.py").write_text(BODY)
+    src = tree_with(tmp_path, {"keep.py": "x\n"})
+    os.symlink(outside, src.root / "link")
+    fp = one(make_patch({"link/f.py": (BODY, BODY.replace("line 2\n", "x\n"))}))
+    with pytest.raises(SeriesError, match="outside the tree"):
+        apply_file_patch(VirtualTree(src.root), fp)
+    assert (outside / "f.py").read_text() == BODY
+
+
+def _series(tmp_path, patches):
+    return load_series(write_series(tmp_path / "patches", patches))
+
+
+def test_classification_applies_landed_conflict(tmp_path):
+    landed_text = BODY.replace("line 5\n", "fixed 5\n")
+    src = tree_with(tmp_path, {"a.py": BODY, "b.py": landed_text, "c.py": BODY.replace("line 30\n", "other\n"), "d.py": "def f():\n    sync()\n"})
+    series = _series(
+        tmp_path,
+        {
+            "0001-applies.patch": make_patch({"a.py": (BODY, BODY.replace("line 9\n", "nine\n"))}),
+            "0002-reversed.patch": make_patch({"b.py": (BODY, landed_text)}),
+            "0003-probe.patch": make_patch({"d.py": ("def f():\n    pass\n", "def f():\n    flush()\n")}, Sm12x_Probe="d.py::f ~ sync\\(\\)"),
+            "0004-conflict.patch": make_patch({"c.py": (BODY, BODY.replace("line 31\n", "x\n"))}),
+        },
+    )
+    report = check_tree(series, src)
+    got = [(r.patch, r.outcome, r.landed_by) for r in report.results]
+    assert got == [
+        ("applies", Outcome.APPLIES, None),
+        ("reversed", Outcome.LANDED, "reverse-apply"),
+        ("probe", Outcome.LANDED, "probe"),
+        ("conflict", Outcome.CONFLICT, None),
+    ]
+    assert report.results[3].conflict.path == "c.py"
+    assert exit_code([report]) == 20
+    assert exit_code([check_tree(_series(tmp_path / "s2", {"0001-x.patch": make_patch({"b.py": (BODY, landed_text)})}), src)]) == 10
+
+
+def test_later_patch_sees_earlier_patch(tmp_path):
+    src = tree_with(tmp_path, {"a.py": BODY})
+    step1 = BODY.replace("line 9\n", "nine\n")
+    step2 = step1.replace("line 10\n", "ten\n")
+    series = _series(tmp_path, {"0001-a.patch": make_patch({"a.py": (BODY, step1)}), "0002-b.patch": make_patch({"a.py": (step1, step2)})})
+    report = check_tree(series, src)
+    assert [r.outcome for r in report.results] == [Outcome.APPLIES, Outcome.APPLIES]
+    assert report.tree.edits["a.py"].to_bytes().decode() == step2
+
+
+def test_apply_is_atomic_and_reproducible(tmp_path):
+    src = tree_with(tmp_path, {"a.py": BODY, "b.py": BODY})
+    good = _series(tmp_path / "good", {"0001-a.patch": make_patch({"a.py": (BODY, BODY.replace("line 3\n", "three\n"))})})
+    out = tmp_path / "out"
+    write_tree(good, src, out)
+    first = {p.relative_to(out): (p.read_bytes(), p.stat().st_mtime) for p in out.rglob("*") if p.is_file()}
+    write_tree(good, src, out)
+    second = {p.relative_to(out): (p.read_bytes(), p.stat().st_mtime) for p in out.rglob("*") if p.is_file()}
+    assert first == second
+    assert (out / "a.py").read_text().splitlines()[2] == "three"
+
+    bad = _series(
+        tmp_path / "bad",
+        {
+            "0001-a.patch": make_patch({"a.py": (BODY, BODY.replace("line 3\n", "THREE\n"))}),
+            "0002-b.patch": make_patch({"b.py": (BODY.replace("line 7\n", "zzz\n"), BODY.replace("line 7\n", "yyy\n"))}),
+        },
+    )
+    with pytest.raises(ApplyError, match="patch b does not apply.*b.py hunk #1"):
+        write_tree(bad, src, out)
+    # The earlier output is untouched, and no staging folder is left behind.
+    assert (out / "a.py").read_text().splitlines()[2] == "three"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad", "good", "out", "tree"]
+    with pytest.raises(ApplyError):
+        write_tree(bad, src, tmp_path / "fresh")
+    assert not (tmp_path / "fresh").exists()
+    # The pristine tree is never written.
+    assert (src.root / "a.py").read_text() == BODY

@@ -1,0 +1,88 @@
+from pathlib import Path
+
+import pytest
+
+from sm12x_bundle import config as config_mod
+from sm12x_bundle.errors import ConfigError
+
+
+def parse(text: str):
+    return config_mod.parse(text, "cfg.yaml", Path("/base"))
+
+
+def test_embedded_default_is_the_pinned_release():
+    cfg = config_mod.parse(config_mod.default_text(), "<embedded default>", Path("."))
+    assert cfg.pin.version == "0.21.0"
+    assert cfg.pin.sha256 == "05ff89c3e926b88b77d7878e317a659ffba678afc21c1d48952037aa5457f058"
+    assert cfg.check.fuzz == 0
+    assert [t.name for t in cfg.targets] == ["vllm-openai-v0.21.0"]
+
+
+def test_unknown_key_names_file_line_and_nearest_key():
+    with pytest.raises(ConfigError) as exc:
+        parse("pin:\n  version: '0.21.0'\n  sha265: abc\n")
+    assert str(exc.value) == "cfg.yaml:3: unknown key 'pin.sha265' (did you mean 'sha256'?)"
+
+
+def test_unknown_top_level_key_suggests():
+    with pytest.raises(ConfigError, match=r"cfg.yaml:1: unknown key 'targts' \(did you mean 'targets'\?\)"):
+        parse("targts: []\n")
+
+
+def test_wrong_type_is_located():
+    with pytest.raises(ConfigError, match=r"cfg.yaml:2: check.fuzz must be int, not str"):
+        parse("check:\n  fuzz: lots\n")
+
+
+def test_unquoted_version_number_is_caught():
+    with pytest.raises(ConfigError, match="pin.version must be a string: quote it"):
+        parse("pin:\n  version: 0.21\n")
+
+
+def test_bool_is_not_an_int():
+    with pytest.raises(ConfigError, match="check.fuzz must be int, not bool"):
+        parse("check:\n  fuzz: true\n")
+
+
+def test_duplicate_key_rejected():
+    with pytest.raises(ConfigError, match=r"cfg.yaml:2: duplicate key 'pin'"):
+        parse("pin: {}\npin: {}\n")
+
+
+def test_malformed_yaml_is_located():
+    with pytest.raises(ConfigError, match=r"cfg.yaml:2: not valid YAML"):
+        parse("pin: b\n  c: d\n")
+
+
+def test_yaml_is_loaded_safely():
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        parse("pin: !!python/object/apply:os.system ['true']\n")
+
+
+def test_missing_required_field_in_list_item():
+    with pytest.raises(ConfigError, match=r"cfg.yaml:2: targets\[0\] needs image"):
+        parse("targets:\n  - name: a\n")
+
+
+def test_job_must_name_a_known_target():
+    text = "targets:\n  - {name: a, image: x}\njobs:\n  - {name: j, model: m, target: b}\n"
+    with pytest.raises(ConfigError, match="names target 'b'"):
+        parse(text)
+
+
+def test_paths_resolve_against_the_config_file():
+    cfg = parse("series: patches/series\n")
+    assert cfg.resolve("patches/series") == Path("/base/patches/series")
+    assert cfg.resolve("/abs") == Path("/abs")
+
+
+def test_local_file_replaces_default(tmp_path):
+    (tmp_path / "sm12x-bundle.yaml").write_text("pin:\n  version: '0.26.0'\n")
+    cfg = config_mod.load(cwd=tmp_path)
+    assert cfg.pin.version == "0.26.0"
+    assert cfg.origin.endswith("sm12x-bundle.yaml")
+
+
+def test_unreadable_config_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config"):
+        config_mod.load(tmp_path / "absent.yaml")
