@@ -41,8 +41,9 @@ def test_conflict_reports_lines_that_differ(tmp_path):
     with pytest.raises(HunkFailure) as exc:
         apply_file_patch(VirtualTree(src.root), fp)
     assert exc.value.index == 1
-    assert "line 19: expected 'line 19'" in exc.value.diff_lines()[0]
-    assert "found 'line nineteen'" in exc.value.diff_lines()[1]
+    diff = exc.value.diff_lines()
+    assert "-line 19" in diff and "+line nineteen" in diff
+    assert diff[:2] == ["--- expected (patch)", "+++ found (tree)"]
 
 
 def test_fuzz_zero_refuses_what_fuzz_one_accepts(tmp_path):

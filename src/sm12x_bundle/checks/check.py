@@ -47,7 +47,14 @@ class PatchResult:
         if self.outcome is Outcome.APPLIES:
             if not self.offsets:
                 return "applies"
-            return "applies with offsets: " + ", ".join(f"{p} hunk #{h} {o:+d}" for p, h, o in self.offsets)
+            by_file: dict[str, list[int]] = {}
+            for path, _hunk, offset in self.offsets:
+                by_file.setdefault(path, []).append(offset)
+            parts = [
+                f"{path} {min(o):+d}" + (f"..{max(o):+d}" if min(o) != max(o) else "") + f" ({len(o)} hunks)"
+                for path, o in by_file.items()
+            ]
+            return "applies with offsets: " + ", ".join(parts)
         if self.outcome is Outcome.LANDED:
             return f"landed upstream ({self.landed_by})"
         c = self.conflict

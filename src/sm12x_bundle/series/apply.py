@@ -7,6 +7,7 @@ that differ. Nothing here touches the disk except reading the pristine tree.
 
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,15 +51,15 @@ class HunkFailure(Exception):
         self.expected, self.found, self.at = expected, found, at
         super().__init__(f"{path}: hunk #{index} (line {hunk.old_start}) does not apply")
 
-    def diff_lines(self) -> list[str]:
-        """The expected lines against the closest lines found, marked where they differ."""
-        out = []
-        for n, exp in enumerate(self.expected):
-            got = self.found[n] if n < len(self.found) else "<end of file>"
-            if exp != got:
-                out.append(f"line {self.at + n + 1}: expected {exp!r}")
-                out.append(f"line {self.at + n + 1}:    found {got!r}")
-        return out or ["(file ends before the hunk)"]
+    def diff_lines(self, limit: int = 24) -> list[str]:
+        """What the hunk expects against the closest text in the file, as a small diff."""
+        if not self.found:
+            return ["(the file ends before the hunk's place)"]
+        diff = difflib.unified_diff(
+            self.expected, self.found, "expected (patch)", "found (tree)", n=1, lineterm=""
+        )
+        lines = [line for line in diff if not line.startswith("@@")]
+        return lines[:limit] + (["..."] if len(lines) > limit else [])
 
 
 def _matches(lines: list[str], pos: int, want: list[str]) -> bool:
@@ -95,7 +96,8 @@ def _closest(lines: list[str], want: list[str], guess: int) -> tuple[int, list[s
         score = sum(1 for n, w in enumerate(want) if pos + n < len(lines) and lines[pos + n] == w)
         if score > best_score:
             best, best_score = pos, score
-    return best, lines[best : best + len(want)]
+    # A little more than the hunk, so an insertion upstream shows as one line, not a shift.
+    return best, lines[best : best + len(want) + 3]
 
 
 def apply_hunks(path: str, lines: list[str], fp: FilePatch, fuzz: int = 0) -> tuple[list[str], list[HunkResult]]:
