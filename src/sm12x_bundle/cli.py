@@ -87,6 +87,11 @@ def cmd_apply(ctx: Context, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_series(ctx: Context, args: argparse.Namespace) -> int:
+    sys.stdout.write(report.series_markdown(ctx.series) if args.markdown else report.series_table(ctx.series))
+    return 0
+
+
 def cmd_fetch(ctx: Context, args: argparse.Namespace) -> int:
     source = ctx.source(args.vllm)
     print(source.root)
@@ -113,7 +118,16 @@ def _commands() -> dict[str, tuple[str, str, Callable[[argparse.ArgumentParser],
     def fetch_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--vllm", metavar="VERSION", help="fetch this release instead of the pin")
 
+    def series_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--markdown", action="store_true", help="print the README's patch table")
+
     commands = {
+        "series": (
+            "list the patches in order: kind, files, upstream PR and status",
+            "example: sm12x-bundle series --markdown",
+            series_args,
+            cmd_series,
+        ),
         "check": (
             "report which patches apply, conflict, or have landed upstream",
             "example: sm12x-bundle check --vllm 0.26.0 --vllm 0.33.0 --junit check.xml",

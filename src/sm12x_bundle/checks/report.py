@@ -5,7 +5,32 @@ from __future__ import annotations
 import json
 import xml.etree.ElementTree as ET
 
+from ..series.patch import Series
 from .check import Outcome, VersionReport
+
+
+def _status(value: str) -> str:
+    return "not merged" if value.strip().lower() == "no" else f"landed in {value}"
+
+
+def series_table(series: Series) -> str:
+    lines = [f"series {series.file} (sha256 {series.sha256[:16]})"]
+    for n, p in enumerate(series.patches, 1):
+        lines.append(f"{n}. {p.id} [{p.kind}] {p.subject}")
+        lines.append(f"   upstream: {p.origin} ({_status(p.headers['Applied-Upstream'])})")
+        lines.append(f"   files: {', '.join(p.paths)}" + (f"; rebuilds {p.builds}" if p.builds else ""))
+    return "\n".join(lines) + "\n"
+
+
+def series_markdown(series: Series) -> str:
+    """The README's patch table: generated from the patch headers, the one place they live."""
+    rows = ["| # | patch | kind | upstream | status |", "|---|---|---|---|---|"]
+    for n, p in enumerate(series.patches, 1):
+        pr = p.origin.rstrip("/").rsplit("/", 1)[-1]
+        rows.append(
+            f"| {n} | `{p.id}`: {p.subject} | {p.kind} | [#{pr}]({p.origin}) | {_status(p.headers['Applied-Upstream'])} |"
+        )
+    return "\n".join(rows) + "\n"
 
 
 def table(reports: list[VersionReport]) -> str:
