@@ -1,0 +1,227 @@
+"""Building the cumem extension alone (native.py), and what patch 0003 changes in it.
+
+The plan tests need nothing. The native tests compile the pinned and the patched
+``csrc/cumem_allocator.cpp`` with native.py against a fake libcuda
+(stubs/fake_libcuda.c: the driver calls the extension makes, with failure injection
+and live-object counts) and drive each build in a fresh interpreter
+(stubs/cumem_scenarios.py): no GPU or driver needed, only a compiler and CUDA headers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from sm12x_bundle import cmd, native
+from sm12x_bundle.errors import BundleError
+
+STUBS = Path(__file__).parent / "stubs"
+
+
+def fake_toolkit(root: Path, stubs: str | None = "lib64/stubs") -> Path:
+    (root / "include").mkdir(parents=True)
+    (root / "include" / "cuda.h").write_text("")
+    if stubs:
+        (root / stubs).mkdir(parents=True)
+        (root / stubs / "libcuda.so").write_text("")
+    return root
+
+
+@pytest.fixture
+def toolkit(tmp_path) -> Path:
+    return fake_toolkit(tmp_path / "cuda")
+
+
+@pytest.fixture
+def py_include(tmp_path) -> Path:
+    (tmp_path / "py").mkdir()
+    (tmp_path / "py" / "Python.h").write_text("")
+    return tmp_path / "py"
+
+
+# --- the plan -----------------------------------------------------------------------
+
+
+def test_plan_is_one_compiler_call(tmp_path, toolkit, py_include):
+    argv = native.cumem_build_argv(
+        tmp_path / "tree", tmp_path / "out", cuda_home=toolkit, python_include=py_include
+    )
+    assert argv == [
+        "g++", "-shared", "-fPIC", "-O2", "-std=c++17", "-DPy_LIMITED_API=0x03080000",
+        f"-I{toolkit}/include", f"-I{py_include}",
+        f"{tmp_path}/tree/csrc/cumem_allocator.cpp", "-o", f"{tmp_path}/out/cumem_allocator.abi3.so",
+        f"-L{toolkit}/lib64/stubs", "-lcuda",
+    ]
+
+
+@pytest.mark.parametrize("stubs", ["lib/stubs", "targets/x86_64-linux/lib/stubs"])
+def test_plan_finds_the_stub_libcuda(tmp_path, py_include, stubs):
+    cuda = fake_toolkit(tmp_path / "cuda", stubs)
+    argv = native.cumem_build_argv(tmp_path, tmp_path, cuda_home=cuda, python_include=py_include)
+    assert argv[-2:] == [f"-L{cuda / stubs}", "-lcuda"]
+
+
+def test_plan_links_the_given_driver_library(tmp_path, toolkit, py_include):
+    lib = tmp_path / "drv" / "libcuda.so.1"
+    lib.parent.mkdir()
+    lib.write_text("")
+    plan = native.cumem_build_argv(tmp_path, tmp_path, cuda_home=toolkit, python_include=py_include, libcuda=lib)
+    assert plan[-2:] == [f"-L{lib.parent}", "-l:libcuda.so.1"]
+    plan = native.cumem_build_argv(tmp_path, tmp_path, cuda_home=toolkit, python_include=py_include, libcuda=lib.parent)
+    assert plan[-2:] == [f"-L{lib.parent}", "-lcuda"]
+
+
+def test_plan_without_stubs_leaves_libcuda_to_the_linker(tmp_path, py_include):
+    cuda = fake_toolkit(tmp_path / "cuda", stubs=None)
+    argv = native.cumem_build_argv(tmp_path, tmp_path, cuda_home=cuda, python_include=py_include, compiler="clang++")
+    assert argv[0] == "clang++" and argv[-1] == "-lcuda" and not any(a.startswith("-L") for a in argv)
+
+
+def test_plan_defaults_to_this_python(tmp_path, toolkit):
+    include = Path(sysconfig.get_paths()["include"])
+    if not (include / "Python.h").is_file():
+        pytest.skip("this Python has no development headers")
+    assert f"-I{include}" in native.cumem_build_argv(tmp_path, tmp_path, cuda_home=toolkit)
+
+
+def test_cuda_home_comes_from_the_environment(tmp_path, toolkit):
+    assert native.find_cuda_home({"CUDA_HOME": str(toolkit), "CUDA_PATH": "/nowhere"}) == toolkit
+    assert native.find_cuda_home({"CUDA_PATH": str(toolkit)}) == toolkit
+
+
+def test_missing_headers_are_a_clear_error(tmp_path, toolkit):
+    with pytest.raises(BundleError, match=r"cuda\.h not found"):
+        native.find_cuda_home({"CUDA_HOME": str(tmp_path / "none")})
+    with pytest.raises(BundleError, match=r"cuda\.h not found"):
+        native.cumem_build_argv(tmp_path, tmp_path, cuda_home=tmp_path)
+    with pytest.raises(BundleError, match=r"Python\.h not found"):
+        native.cumem_build_argv(tmp_path, tmp_path, cuda_home=toolkit, python_include=tmp_path)
+
+
+def test_build_runs_the_plan(tmp_path, toolkit, py_include, monkeypatch):
+    tree = tmp_path / "tree"
+    (tree / "csrc").mkdir(parents=True)
+    (tree / "csrc" / "cumem_allocator.cpp").write_text("")
+    calls = []
+    monkeypatch.setattr(cmd, "run", lambda argv, **kw: calls.append(list(argv)))
+    kwargs = dict(cuda_home=toolkit, python_include=py_include)
+    out = native.build_cumem_extension(tree, tmp_path / "out", **kwargs)
+    assert out == tmp_path / "out" / "cumem_allocator.abi3.so" and out.parent.is_dir()
+    assert calls == [native.cumem_build_argv(tree, tmp_path / "out", **kwargs)]
+    with pytest.raises(BundleError, match="not a vLLM source tree"):
+        native.build_cumem_extension(tmp_path / "nothing", tmp_path / "out", **kwargs)
+
+
+# --- building and running the extension -------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def cuda_home() -> Path:
+    try:
+        home = native.find_cuda_home()
+    except BundleError as exc:
+        pytest.skip(str(exc))
+    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file():
+        pytest.skip("this Python has no development headers")
+    if not (shutil.which("g++") and shutil.which("cc")):
+        pytest.skip("no C/C++ compiler")
+    return home
+
+
+@pytest.fixture(scope="session")
+def fake_libcuda(cuda_home, tmp_path_factory) -> Path:
+    """The folder holding the fake driver, libcuda.so.1 (and libcuda.so to link with)."""
+    out = tmp_path_factory.mktemp("fake_libcuda")
+    cmd.run([
+        "cc", "-shared", "-fPIC", "-O2", f"-I{cuda_home}/include", "-Wl,-soname,libcuda.so.1",
+        STUBS / "fake_libcuda.c", "-o", out / "libcuda.so.1",
+    ])
+    (out / "libcuda.so").symlink_to("libcuda.so.1")
+    return out
+
+
+@pytest.fixture(scope="session")
+def extensions(cuda_home, fake_libcuda, pinned_tree, patched_tree, tmp_path_factory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("cumem_ext")
+    return {
+        name: native.build_cumem_extension(tree, out / name, cuda_home=cuda_home, libcuda=fake_libcuda)
+        for name, tree in (("pinned", pinned_tree), ("patched", patched_tree))
+    }
+
+
+def scenario(extensions, fake_libcuda, variant: str, name: str) -> dict:
+    proc = cmd.run(
+        [sys.executable, STUBS / "cumem_scenarios.py", fake_libcuda / "libcuda.so.1", extensions[variant], name],
+        env={**os.environ, "LD_LIBRARY_PATH": str(fake_libcuda)},
+        echo=False,
+    )
+    return json.loads(proc.stdout)
+
+
+VARIANTS = pytest.mark.parametrize("variant", ["pinned", "patched"])
+
+
+@pytest.mark.native
+@pytest.mark.integration
+@VARIANTS
+def test_extension_builds_and_round_trips(extensions, fake_libcuda, variant):
+    got = scenario(extensions, fake_libcuda, variant, "healthy_round_trip")
+    one = {"handles": 1, "mappings": 1, "reservations": 1}
+    assert got == {
+        "allocated": one, "sleep_error": None, "asleep": {"handles": 0, "mappings": 0, "reservations": 1},
+        "wake_error": None, "awake": one, "freed": {"handles": 0, "mappings": 0, "reservations": 0},
+    }
+
+
+@pytest.mark.native
+@pytest.mark.integration
+@VARIANTS
+@pytest.mark.parametrize("failed_path", ["stale_after_free", "stale_after_malloc"])
+def test_failure_on_pytorch_path_does_not_fail_the_next_call(extensions, fake_libcuda, variant, failed_path):
+    got = scenario(extensions, fake_libcuda, variant, failed_path)
+    if variant == "pinned":
+        stale = "an illegal memory access" if failed_path == "stale_after_free" else "out of memory"
+        assert stale in got["wake_error"]  # a healthy wake raises the old error
+    else:
+        assert got["wake_error"] is None
+
+
+@pytest.mark.native
+@pytest.mark.integration
+@VARIANTS
+def test_error_reported_is_the_failing_calls_own(extensions, fake_libcuda, variant):
+    got = scenario(extensions, fake_libcuda, variant, "own_error")
+    expected = "an illegal memory access" if variant == "pinned" else "out of memory"
+    assert got["wake_error"].startswith(f"CUDA Error: {expected}")
+
+
+@pytest.mark.native
+@pytest.mark.integration
+@VARIANTS
+@pytest.mark.parametrize("step", ["wake_map_fails", "wake_set_access_fails"])
+def test_failed_map_releases_the_physical_handle(extensions, fake_libcuda, variant, step):
+    got = scenario(extensions, fake_libcuda, variant, step)
+    assert "out of memory" in got["error"]
+    leaked = {"pinned": 1, "patched": 0}[variant]
+    assert got["after_failure"]["handles"] == leaked
+    if variant == "patched":
+        assert got["after_failure"] == got["asleep"]  # as before the call: nothing mapped
+        assert got["retry_error"] is None and got["after_retry"]["handles"] == 1
+    elif step == "wake_set_access_fails":
+        assert "invalid argument" in got["retry_error"]  # the address stayed mapped
+
+
+@pytest.mark.native
+@pytest.mark.integration
+@VARIANTS
+def test_failed_malloc_leaves_nothing_behind(extensions, fake_libcuda, variant):
+    got = scenario(extensions, fake_libcuda, variant, "malloc_map_fails")
+    assert got["malloc_returned"] == 0
+    leaked = {"pinned": 1, "patched": 0}[variant]
+    assert got["after"] == {"handles": leaked, "mappings": 0, "reservations": 0}

@@ -1,0 +1,370 @@
+"""What patches 0001 (stream-aware free) and 0002 (wake_up rollback) change in cumem.py.
+
+Each tree's own ``vllm/device_allocator/cumem.py`` runs with real (CPU) torch. Its CUDA
+side is a fake: the C extension and libcudart become :class:`FakeCuda`, which keeps
+the contents of every mapped allocation, fails the k-th ``create_and_map`` when told
+to, and records maps, unmaps and device synchronizes in order. GPU work still queued
+is modelled explicitly (``launch``): unmapping an address that queued work touches,
+with no synchronize of its device in between, is recorded as a violation, which is
+what faults with CUDA_ERROR_ILLEGAL_ADDRESS on a real GPU.
+
+Every behaviour test runs on both trees and asserts that the bug shows on the pinned
+tree and is gone on the patched one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import logging
+import os
+import sys
+import types
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from sm12x_bundle.series.apply import VirtualTree  # noqa: E402
+from sm12x_bundle.series.probes import probe_matches  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+CUMEM = Path("vllm/device_allocator/cumem.py")
+# Fake device addresses sit above every user-space CPU address (x86-64 and aarch64
+# Linux stop at 2**48), so a pointer tells by its value which side it is on.
+DEVICE_BASE = 0x7E00_0000_0000_0000
+
+
+class FakePool:
+    """torch.cuda.MemPool as the context-exit sweep sees it: its segments and how
+    many bytes of each are in use (0: freed by its tensors, cached by PyTorch)."""
+
+    def __init__(self) -> None:
+        self.in_use: dict[int, int] = {}
+
+    def snapshot(self) -> list[dict]:
+        return [{"address": a, "allocated_size": n} for a, n in self.in_use.items()]
+
+
+class FakeCuda:
+    """The cumem C extension and libcudart as cumem.py sees them, and the device."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int | None]] = []
+        self.memory: dict[int, bytearray] = {}  # mapped address -> its bytes
+        self.queued: dict[int, set[int]] = {}  # device -> addresses queued work touches
+        self.violations: list[int] = []  # addresses unmapped under queued work
+        self.fail_map_at: int | None = None  # the k-th create_and_map from cumem.py fails
+        self.fail_copy_to: int | None = None  # a copy back into this address fails
+        self.map_calls = 0
+        self.pool: FakePool | None = None
+        self._next = DEVICE_BASE
+
+    # -- vllm.cumem_allocator ------------------------------------------------
+    def init_module(self, malloc_callback, free_callback) -> None:
+        pass
+
+    def python_create_and_map(self, device: int, size: int, d_mem: int, p_handle: int) -> None:
+        self.map_calls += 1
+        if self.map_calls == self.fail_map_at:
+            raise RuntimeError("CUDA Error: out of memory at cumem_allocator.cpp:137")
+        self._map(d_mem, size)
+
+    def python_unmap_and_release(self, device: int, size: int, d_mem: int, p_handle: int) -> None:
+        if d_mem not in self.memory:
+            raise RuntimeError("CUDA Error: invalid argument at cumem_allocator.cpp:207")
+        if d_mem in self.queued.get(device, ()):
+            self.violations.append(d_mem)
+        del self.memory[d_mem]
+        self.events.append(("unmap", d_mem))
+
+    def _map(self, d_mem: int, size: int) -> None:
+        if d_mem in self.memory:  # what cuMemMap says to an address still mapped
+            raise RuntimeError("CUDA Error: invalid argument at cumem_allocator.cpp:145")
+        self.memory[d_mem] = bytearray(b"\xa5" * size)  # fresh memory, not the data
+        self.events.append(("map", d_mem))
+
+    # -- CudaRTLibrary ---------------------------------------------------------
+    def cudaMemcpy(self, dst: int, src: int, count: int) -> None:
+        if dst >= DEVICE_BASE:
+            if dst == self.fail_copy_to:
+                raise RuntimeError("CUDART error: out of memory")
+            self._mapped(dst)[:count] = ctypes.string_at(src, count)
+        else:
+            ctypes.memmove(dst, bytes(self._mapped(src)[:count]), count)
+
+    def _mapped(self, addr: int) -> bytearray:
+        if addr not in self.memory:
+            raise RuntimeError("CUDART error: an illegal memory access was encountered")
+        return self.memory[addr]
+
+    # -- torch.cuda.synchronize ------------------------------------------------
+    def synchronize(self, device: int | None = None) -> None:
+        self.events.append(("sync", device))
+        if device is None:
+            self.queued.clear()
+        else:
+            self.queued.pop(device, None)
+
+    def syncs(self) -> list[int | None]:
+        return [d for kind, d in self.events if kind == "sync"]
+
+    # -- the test's side: kernels, and PyTorch calling my_malloc / my_free ---------
+    def launch(self, device: int, *addrs: int) -> None:
+        """Queue work on ``device`` that touches ``addrs`` and has not run yet."""
+        self.queued.setdefault(device, set()).update(addrs)
+
+    def my_malloc(self, alloc, size: int, tag: str | None = None, device: int = 0) -> int:
+        d_mem, self._next = self._next, self._next + size + (1 << 21)
+        old_tag = alloc.current_tag
+        alloc.current_tag = tag or old_tag
+        try:
+            alloc.python_malloc_callback((device, size, d_mem, d_mem + 1))
+        finally:
+            alloc.current_tag = old_tag
+        self._map(d_mem, size)
+        self.memory[d_mem][:] = os.urandom(size)
+        if self.pool is not None:
+            self.pool.in_use[d_mem] = size
+        return d_mem
+
+    def my_free(self, alloc, ptr: int) -> None:
+        handle = alloc.python_free_callback(ptr)
+        self.python_unmap_and_release(*handle)
+
+    @contextmanager
+    def memory_pool(self, malloc_callback, free_callback):
+        """Stands in for use_memory_pool_with_allocator (a CUDA pluggable allocator)."""
+        self.pool = FakePool()
+        try:
+            yield self.pool, None
+        finally:
+            self.pool = None
+
+
+def load_cumem(tree: Path, fake: FakeCuda, monkeypatch: pytest.MonkeyPatch, name: str):
+    """Import ``tree``'s cumem.py against ``fake``; only what its imports need is faked."""
+
+    def module(mod_name: str, **attrs) -> None:
+        mod = types.ModuleType(mod_name)
+        mod.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, mod_name, mod)
+
+    for pkg in ("vllm", "vllm.utils", "vllm.distributed", "vllm.distributed.device_communicators"):
+        module(pkg)
+    module("vllm.logger", init_logger=logging.getLogger)
+    module("vllm.utils.platform_utils", is_pin_memory_available=lambda: False)
+    module("vllm.utils.system_utils", find_loaded_library=lambda lib: f"/fake/{lib}.abi3.so")
+    module(
+        "vllm.cumem_allocator",
+        init_module=fake.init_module,
+        python_create_and_map=fake.python_create_and_map,
+        python_unmap_and_release=fake.python_unmap_and_release,
+    )
+    module("vllm.distributed.device_communicators.cuda_wrapper", CudaRTLibrary=lambda: fake)
+    spec = importlib.util.spec_from_file_location(name, tree / CUMEM)
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, mod)
+    spec.loader.exec_module(mod)
+    assert mod.cumem_available
+    monkeypatch.setattr(mod, "use_memory_pool_with_allocator", fake.memory_pool)
+    monkeypatch.setattr(torch.cuda, "synchronize", fake.synchronize)
+    if hasattr(torch, "accelerator"):
+        monkeypatch.setattr(torch.accelerator, "synchronize", fake.synchronize, raising=False)
+    return mod
+
+
+@pytest.fixture(params=["pinned", "patched"])
+def variant(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def fake() -> FakeCuda:
+    return FakeCuda()
+
+
+@pytest.fixture
+def alloc(request, variant, fake, monkeypatch):
+    """A fresh CuMemAllocator from the pinned or the patched tree."""
+    tree = request.getfixturevalue(f"{variant}_tree")
+    mod = load_cumem(tree, fake, monkeypatch, f"_cumem_under_test_{variant}")
+    return mod.CuMemAllocator()
+
+
+# --- 0001: stream-aware free ------------------------------------------------------
+
+
+def test_free_callback_synchronizes_before_unmap(variant, fake, alloc):
+    a = fake.my_malloc(alloc, 4096)
+    fake.launch(0, a)
+    fake.my_free(alloc, a)
+    assert a not in fake.memory and a not in alloc.pointer_to_data
+    if variant == "pinned":
+        assert fake.violations == [a]
+        assert fake.syncs() == []
+    else:
+        assert fake.violations == []
+        assert fake.events[-2:] == [("sync", 0), ("unmap", a)]
+
+
+def test_sleep_synchronizes_each_device_once_before_unmapping(variant, fake, alloc):
+    on_0 = [fake.my_malloc(alloc, 4096, "weights"), fake.my_malloc(alloc, 8192, "kv_cache"),
+            fake.my_malloc(alloc, 4096, "kv_cache")]
+    on_1 = [fake.my_malloc(alloc, 4096, "weights", device=1)]
+    fake.launch(0, *on_0)
+    fake.launch(1, *on_1)
+    fake.events.clear()
+    alloc.sleep(offload_tags=("weights",))
+    assert fake.memory == {}
+    if variant == "pinned":
+        assert sorted(fake.violations) == sorted(on_0 + on_1)
+    else:
+        assert fake.violations == []
+        assert fake.syncs() == [0, 1]  # once per device, not once per allocation
+        first_unmap = next(i for i, (kind, _) in enumerate(fake.events) if kind == "unmap")
+        assert all(kind != "sync" for kind, _ in fake.events[first_unmap:])
+
+
+def test_pool_exit_sweep_synchronizes_once_before_unmapping(variant, fake, alloc):
+    with alloc.use_memory_pool(tag="weights"):
+        kept = fake.my_malloc(alloc, 4096)
+        dropped = [fake.my_malloc(alloc, 8192) for _ in range(3)]
+        fake.launch(0, kept, *dropped)
+        for addr in dropped:  # their tensors died; PyTorch's cache keeps the segments
+            fake.pool.in_use[addr] = 0
+        fake.events.clear()
+    assert set(fake.memory) == {kept} and set(alloc.pointer_to_data) == {kept}
+    if variant == "pinned":
+        assert fake.violations == dropped
+    else:
+        assert fake.violations == []
+        assert fake.events == [("sync", 0)] + [("unmap", a) for a in dropped]
+
+
+def test_patched_synchronizes_only_when_something_is_unmapped(fake, request, monkeypatch):
+    alloc = load_cumem(request.getfixturevalue("patched_tree"), fake, monkeypatch, "_cumem_cost").CuMemAllocator()
+    with alloc.use_memory_pool(tag="weights"):
+        addrs = [fake.my_malloc(alloc, 4096) for _ in range(3)]
+    assert fake.syncs() == []  # allocating, and a sweep with nothing to free, cost nothing
+    alloc.sleep(offload_tags=("weights",))
+    fake.events.clear()
+    alloc.wake_up()
+    assert fake.syncs() == [] and set(fake.memory) == set(addrs)
+
+
+# --- 0002: wake_up rollback -------------------------------------------------------
+
+LAYOUT = [("weights", 4096), ("weights", 8192), ("kv_cache", 2 * 4096), ("weights", 12288), ("weights", 4096)]
+
+
+def asleep_with_data(fake: FakeCuda, alloc) -> tuple[list[int], dict[int, bytes]]:
+    """Allocate LAYOUT, fill it with random bytes, sleep (offloading the weights)."""
+    addrs = [fake.my_malloc(alloc, size, tag) for tag, size in LAYOUT]
+    data = {a: bytes(fake.memory[a]) for a in addrs}
+    alloc.sleep(offload_tags=("weights",))
+    assert fake.memory == {}
+    return addrs, data
+
+
+def state(alloc) -> dict[int, tuple]:
+    """What must survive a failed wake_up unchanged: per allocation, its tag, its
+    handle and the bytes of its CPU backup (None when it has none)."""
+    return {
+        ptr: (d.tag, d.handle, None if d.cpu_backup_tensor is None else d.cpu_backup_tensor.numpy().tobytes())
+        for ptr, d in alloc.pointer_to_data.items()
+    }
+
+
+def assert_woken_intact(fake: FakeCuda, alloc, addrs: list[int], data: dict[int, bytes]) -> None:
+    assert set(fake.memory) == set(addrs)
+    for (tag, _), a in zip(LAYOUT, addrs):
+        if tag == "weights":
+            assert bytes(fake.memory[a]) == data[a], f"weights at {a:#x} not restored"
+        assert alloc.pointer_to_data[a].cpu_backup_tensor is None
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_wake_up_failing_at_allocation_k_rolls_back(variant, fake, alloc, k):
+    addrs, data = asleep_with_data(fake, alloc)
+    before = state(alloc)
+    fake.fail_map_at = fake.map_calls + k
+    with pytest.raises(RuntimeError) as failure:
+        alloc.wake_up()
+    fake.fail_map_at = None
+    if variant == "pinned":
+        assert set(fake.memory) == set(addrs[: k - 1])  # left mapped, backups dropped
+        assert state(alloc) != before
+        with pytest.raises(RuntimeError, match="invalid argument"):
+            alloc.wake_up()  # and every retry fails on the address still mapped
+        return
+    assert fake.memory == {}
+    assert state(alloc) == before
+    tag, size = LAYOUT[k - 1]
+    assert f"tag {tag!r}, {size} bytes" in str(failure.value)
+    assert isinstance(failure.value.__cause__, RuntimeError)
+    assert "out of memory" in str(failure.value.__cause__) and "out of memory" in str(failure.value)
+    alloc.wake_up()  # memory is back: the retry succeeds
+    assert_woken_intact(fake, alloc, addrs, data)
+
+
+def test_wake_up_failing_in_copy_back_rolls_back(variant, fake, alloc):
+    addrs, data = asleep_with_data(fake, alloc)
+    before = state(alloc)
+    fake.fail_copy_to = addrs[1]
+    with pytest.raises(RuntimeError) as failure:
+        alloc.wake_up()
+    fake.fail_copy_to = None
+    if variant == "pinned":
+        assert set(fake.memory) == set(addrs[:2])
+        assert alloc.pointer_to_data[addrs[0]].cpu_backup_tensor is None  # its data only lives on
+        with pytest.raises(RuntimeError, match="invalid argument"):
+            alloc.wake_up()
+        return
+    assert fake.memory == {} and state(alloc) == before
+    assert "tag 'weights', 8192 bytes" in str(failure.value)
+    assert "CUDART error: out of memory" in str(failure.value.__cause__)
+    alloc.wake_up()
+    assert_woken_intact(fake, alloc, addrs, data)
+
+
+def test_failed_wake_up_leaves_what_earlier_calls_woke(variant, fake, alloc):
+    addrs, data = asleep_with_data(fake, alloc)
+    kv = addrs[2]
+    alloc.wake_up(tags=["kv_cache"])
+    fake.fail_map_at = fake.map_calls + 2
+    with pytest.raises(RuntimeError):
+        alloc.wake_up(tags=["weights"])
+    fake.fail_map_at = None
+    if variant == "pinned":
+        assert set(fake.memory) == {kv, addrs[0]}
+        with pytest.raises(RuntimeError, match="invalid argument"):
+            alloc.wake_up(tags=["weights"])
+        return
+    assert set(fake.memory) == {kv}
+    alloc.wake_up(tags=["weights"])
+    assert_woken_intact(fake, alloc, addrs, data)
+
+
+# --- probes -----------------------------------------------------------------------
+
+
+def _probes(series, patch_id: str):
+    return next(p for p in series.patches if p.id == patch_id).probes
+
+
+def test_stream_aware_free_probe_sees_only_the_fixed_trees(series, pinned_tree, patched_tree):
+    probes = _probes(series, "cumem-stream-aware-free")
+    assert probes
+    assert not any(probe_matches(VirtualTree(pinned_tree), p) for p in probes)
+    assert all(probe_matches(VirtualTree(patched_tree), p) for p in probes)
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.33.0"])
+def test_stream_aware_free_probe_recognises_upstream_fix(series, release_source, version):
+    # 0.26.0 wrote torch.cuda.synchronize(data.handle[0]); 0.33.0 torch.accelerator.synchronize.
+    tree = VirtualTree(release_source(version).root)
+    assert all(probe_matches(tree, p) for p in _probes(series, "cumem-stream-aware-free"))
