@@ -1,3 +1,840 @@
-"""(placeholder: being written)"""
+"""Nomad job specs: one service job per configured vLLM server, as HCL2 and as API JSON.
 
-COMMANDS: dict = {}
+Plan, then write. ``plan_job`` turns one job of the config and its target's overlay
+manifest into a :class:`JobSpec` (pure: no files, no clock). ``render_jobs`` renders
+every job as ``<job>.nomad.hcl`` (for people) and ``<job>.nomad.json`` (``{"Job": ...}``
+with the API's field names, for ``nomad job run -json`` and ``POST /v1/jobs``), parses
+each HCL file back, and only then returns; ``write_jobs`` writes the files atomically.
+The same config and manifests give the same bytes.
+
+Field names follow Nomad's ``api`` package (api/jobs.go, api/tasks.go, api/services.go,
+api/resources.go, api/constraint.go) and the docker driver's task config spec
+(drivers/docker/config.go). Durations in the API JSON are nanoseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import posixpath
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import quote, urlsplit
+
+from ..config import Config, JobConfig
+from ..context import Context
+from ..errors import ConfigError, VerifyError
+from ..fsutil import write_file
+
+GROUP = "vllm"
+TASK = "vllm"
+PORT_LABEL = "http"
+DELIVERIES = ("host", "artifact")
+ALLOCATIONS = ("device", "shared")
+PROVIDERS = ("nomad", "consul")
+
+# Inside a docker task, the task's local/ folder is /local (NOMAD_TASK_DIR): writable
+# under readonly_rootfs and fresh for every allocation.
+TASK_DIR = "/local"
+# FlashInfer JIT (and anything else keyed on $HOME) writes under /root/.cache. A relative
+# bind source resolves in the task directory; this one is the allocation's data folder,
+# which always exists and, being inside the allocation, needs no client setting.
+ROOT_CACHE = "/root/.cache"
+ROOT_CACHE_SOURCE = "../alloc/data"
+OVERLAY_DEST = "local/overlay"
+
+# vllm serve flags this module writes from the config; extra_args must not repeat them.
+MANAGED_FLAGS = (
+    "--host",
+    "--port",
+    "--tensor-parallel-size",
+    "-tp",
+    "--gpu-memory-utilization",
+    "--enable-sleep-mode",
+    "--served-model-name",
+    "--max-model-len",
+)
+
+_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+_ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_HASH16 = re.compile(r"[0-9a-f]{16}")
+_NS = 1_000_000_000
+
+
+# --- the memory-budget preflight ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What one GPU must hold while this server is awake and its peer sleeps."""
+
+    utilization: float
+    capacity_gib: float
+    non_cumem_gib: float
+    residue_gib: float
+
+    @classmethod
+    def of(cls, job: JobConfig) -> Budget:
+        return cls(job.gpu_memory_utilization, job.gpu_capacity_gib, job.non_cumem_gib, job.peer_residue_gib)
+
+    @property
+    def cumem_gib(self) -> float:
+        return self.utilization * self.capacity_gib
+
+    @property
+    def total_gib(self) -> float:
+        return self.cumem_gib + self.non_cumem_gib + self.residue_gib
+
+    def fits(self) -> bool:
+        return self.total_gib <= self.capacity_gib + 1e-9
+
+    def largest_utilization(self) -> float:
+        """The largest utilization that fits, rounded down to 0.01 (0 when none does)."""
+        room = (self.capacity_gib - self.non_cumem_gib - self.residue_gib) / self.capacity_gib
+        return max(0.0, math.floor(round(room * 100, 6)) / 100)
+
+    def describe(self) -> str:
+        return (
+            f"{_num(self.utilization)} x {_num(self.capacity_gib)} GiB ({_num(self.cumem_gib)} GiB cumem)"
+            f" + {_num(self.non_cumem_gib)} GiB non-cumem + {_num(self.residue_gib)} GiB sleeping-peer residue"
+            f" = {_num(self.total_gib)} GiB"
+        )
+
+
+def check_budget(job: JobConfig, where: str) -> Budget:
+    """The preflight: raise ConfigError naming the numbers when the budget does not fit."""
+    budget = Budget.of(job)
+    if not 0 < budget.utilization <= 1:
+        raise ConfigError(f"{where}: gpu_memory_utilization must be in (0, 1], not {budget.utilization}")
+    if budget.fits():
+        return budget
+    largest = budget.largest_utilization()
+    advice = (
+        f"the largest gpu_memory_utilization that fits is {largest:.2f}"
+        if largest > 0
+        else "no utilization fits: the non-cumem footprint and peer residue alone fill the GPU"
+    )
+    raise ConfigError(
+        f"{where}: the GPU memory budget does not fit: {budget.describe()}"
+        f" > {_num(budget.capacity_gib)} GiB; {advice}"
+    )
+
+
+def _num(x: float) -> str:
+    return f"{round(x, 2):g}"
+
+
+# --- validating a job -----------------------------------------------------------
+
+
+def validate_job(job: JobConfig, where: str) -> None:
+    """Refuse a job that Nomad or vLLM would refuse later, or that would run wrongly."""
+    for check in _CHECKS:
+        check(job, where)
+    for container, host in sorted(job.host_mounts.items()):
+        _absolute(container, f"{where}: host_mounts key")
+        _absolute(host, f"{where}: host_mounts[{container!r}]")
+
+
+def _check_name(job: JobConfig, where: str) -> None:
+    if not _NAME.fullmatch(job.name):
+        raise ConfigError(f"{where}: a job name is letters, digits and dashes (it names the service and the files)")
+
+
+def _check_choices(job: JobConfig, where: str) -> None:
+    for key, value, choices in (
+        ("overlay_delivery", job.overlay_delivery, DELIVERIES),
+        ("gpu_allocation", job.gpu_allocation, ALLOCATIONS),
+        ("service_provider", job.service_provider, PROVIDERS),
+    ):
+        if value not in choices:
+            raise ConfigError(f"{where}: unknown {key} {value!r}: choose one of {', '.join(choices)}")
+
+
+def _check_gpus(job: JobConfig, where: str) -> None:
+    if job.gpus < 1 or job.tensor_parallel_size != job.gpus:
+        raise ConfigError(
+            f"{where}: tensor_parallel_size {job.tensor_parallel_size} needs as many GPUs, "
+            f"but gpus is {job.gpus}: set both to the same number"
+        )
+    if job.gpu_allocation == "shared" and len(job.gpu_ids) != job.gpus:
+        raise ConfigError(f"{where}: gpu_allocation 'shared' needs gpu_ids listing the {job.gpus} GPUs it shares")
+    if job.gpu_allocation == "shared" and job.gpu_model is not None:
+        raise ConfigError(
+            f"{where}: gpu_model constrains ${{device.model}}, which only gpu_allocation 'device' has; "
+            "pin shared GPUs with node_constraints"
+        )
+    if job.gpu_allocation == "device" and job.gpu_ids:
+        raise ConfigError(f"{where}: gpu_ids apply to gpu_allocation 'shared'; the device plugin picks the GPUs")
+
+
+def _check_delivery(job: JobConfig, where: str) -> None:
+    if job.overlay_delivery == "host":
+        _absolute(job.overlay_host_dir, f"{where}: overlay_host_dir")
+        return
+    url = job.artifact_base_url
+    if not url:
+        raise ConfigError(f"{where}: overlay_delivery 'artifact' needs artifact_base_url (where overlays/ is served)")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
+        raise ConfigError(f"{where}: artifact_base_url must be a plain http(s) URL, not {url!r}")
+
+
+def _check_timing(job: JobConfig, where: str) -> None:
+    if job.healthy_deadline_s <= job.load_time_s:
+        raise ConfigError(
+            f"{where}: healthy_deadline_s ({job.healthy_deadline_s}) must exceed load_time_s ({job.load_time_s}), "
+            "or every deployment fails while the model loads"
+        )
+    if job.progress_deadline_s <= job.healthy_deadline_s:
+        raise ConfigError(
+            f"{where}: progress_deadline_s ({job.progress_deadline_s}) must exceed healthy_deadline_s "
+            f"({job.healthy_deadline_s}) (Nomad refuses the update block otherwise)"
+        )
+    if not 0 <= job.min_healthy_time_s < job.healthy_deadline_s:
+        raise ConfigError(f"{where}: min_healthy_time_s must be at least 0 and less than healthy_deadline_s")
+
+
+def _check_sizes(job: JobConfig, where: str) -> None:
+    for key in ("kill_timeout_s", "cpu_mhz", "memory_mb", "shm_size_mb", "disk_mb"):
+        if getattr(job, key) <= 0:
+            raise ConfigError(f"{where}: {key} must be positive")
+    if not 0 < job.port < 65536:
+        raise ConfigError(f"{where}: port must be in 1-65535, not {job.port}")
+
+
+def _check_args(job: JobConfig, where: str) -> None:
+    if not job.entrypoint:
+        raise ConfigError(f"{where}: entrypoint must not be empty (it replaces the image's ENTRYPOINT)")
+    for arg in job.extra_args:
+        flag = arg.split("=", 1)[0]
+        if flag in MANAGED_FLAGS:
+            raise ConfigError(f"{where}: extra_args sets {flag}, which comes from the job's own keys; use those")
+
+
+def _check_env(job: JobConfig, where: str) -> None:
+    managed = _managed_env(job)
+    for key in sorted(job.env):
+        if not _ENV_KEY.fullmatch(key):
+            raise ConfigError(f"{where}: env key {key!r} is not a valid variable name")
+        if key in managed:
+            raise ConfigError(f"{where}: env {key} is set by sm12x-bundle ({managed[key]!r}); remove it from env")
+
+
+_CHECKS = (
+    _check_name,
+    _check_choices,
+    _check_gpus,
+    _check_delivery,
+    _check_timing,
+    _check_sizes,
+    _check_args,
+    _check_env,
+)
+
+
+def _absolute(path: str, what: str) -> None:
+    if not path.startswith("/") or posixpath.normpath(path) != path:
+        raise ConfigError(f"{what} must be a normalised absolute path, not {path!r}")
+
+
+# --- overlay manifests ----------------------------------------------------------
+
+
+def load_manifest(path: Path) -> dict:
+    """Read and check one overlay manifest (the schema in docs/design.md)."""
+    try:
+        data = json.loads(path.read_text("utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: not a readable overlay manifest: {exc}") from None
+    check_manifest(data, str(path))
+    return data
+
+
+def find_manifests(config: Config, paths: Iterable[Path] = ()) -> dict[str, dict]:
+    """The manifest of every target a job uses: given ones first, else <overlays>/<target>/current.json."""
+    manifests: dict[str, dict] = {}
+    for path in paths:
+        manifest = load_manifest(path)
+        if manifest["target"] in manifests:
+            raise ConfigError(f"{path}: a second manifest for target {manifest['target']!r}")
+        manifests[manifest["target"]] = manifest
+    root = Path(config.output.overlays)
+    for target in sorted({job.target for job in config.jobs} - manifests.keys()):
+        path = root / target / "current.json"
+        if not path.is_file():
+            raise ConfigError(
+                f"no overlay manifest for target {target!r} at {path}: run 'sm12x-bundle overlay' "
+                "(with the same --config) first, or give --manifest FILE"
+            )
+        manifests[target] = load_manifest(path)
+    return manifests
+
+
+def check_manifest(manifest: object, origin: str) -> None:
+    """Check the fields the job specs use; a bad path or hash would reach every node."""
+    where = f"{origin}: overlay manifest"
+    if not isinstance(manifest, dict) or manifest.get("schema") != 1:
+        raise ConfigError(f"{where}: not a schema 1 manifest")
+    for key in ("target", "image"):
+        if not isinstance(manifest.get(key), str) or not manifest[key]:
+            raise ConfigError(f"{where}: {key} must be a non-empty string")
+    if not _HASH16.fullmatch(str(manifest.get("content_hash"))):
+        raise ConfigError(f"{where}: content_hash must be 16 lowercase hex digits")
+    files = manifest.get("files")
+    if not isinstance(files, list):
+        raise ConfigError(f"{where}: files must be a list")
+    for i, entry in enumerate(files):
+        _check_manifest_file(entry, f"{where}: files[{i}]")
+
+
+def _check_manifest_file(entry: object, where: str) -> None:
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where} must be an object")
+    _absolute(str(entry.get("container_path")), f"{where}.container_path")
+    source = str(entry.get("source"))
+    if not source.startswith("files/") or posixpath.normpath(source) != source:
+        raise ConfigError(f"{where}.source must be a normalised path under files/, not {source!r}")
+    if not _HEX64.fullmatch(str(entry.get("sha256"))):
+        raise ConfigError(f"{where}.sha256 must be 64 lowercase hex digits")
+
+
+# --- the plan: one JobSpec per job ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class Mount:
+    source: str
+    target: str
+    readonly: bool = True
+
+
+@dataclass(frozen=True)
+class Artifact:
+    source: str
+    destination: str
+    checksum: str
+
+
+@dataclass(frozen=True)
+class Constraint:
+    attribute: str
+    operator: str
+    value: str
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything both renderers need, resolved once."""
+
+    job: JobConfig
+    image: str
+    args: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    mounts: tuple[Mount, ...]
+    artifacts: tuple[Artifact, ...]
+    constraints: tuple[Constraint, ...]
+    device_constraints: tuple[Constraint, ...]
+    meta: tuple[tuple[str, str], ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def shared_gpus(self) -> bool:
+        return self.job.gpu_allocation == "shared"
+
+
+def plan_job(config: Config, job: JobConfig, manifest: Mapping) -> JobSpec:
+    """Resolve one job against its target and overlay manifest; raise before anything is written."""
+    where = f"{config.origin}: job {job.name!r}"
+    validate_job(job, where)
+    budget = check_budget(job, where)
+    check_manifest(manifest, f"{where}: target {job.target!r}")
+    image = config.target(job.target).image
+    if manifest["image"] != image:
+        raise ConfigError(
+            f"{where}: the overlay manifest for {job.target!r} was made for {manifest['image']}, "
+            f"but the target's image is {image}: run 'sm12x-bundle overlay' again"
+        )
+    files = sorted(manifest["files"], key=lambda f: f["container_path"])
+    mounts, artifacts = _overlay(job, manifest, files)
+    mounts = sorted(mounts + _cache_and_host_mounts(job), key=lambda m: m.target)
+    _check_unique_targets(mounts, where)
+    return JobSpec(
+        job=job,
+        image=image,
+        args=vllm_args(job),
+        env=tuple(sorted({**job.env, **_managed_env(job)}.items())),
+        mounts=tuple(mounts),
+        artifacts=tuple(artifacts),
+        constraints=tuple(Constraint(a, "=", v) for a, v in sorted(job.node_constraints.items())),
+        device_constraints=_device_constraints(job),
+        meta=(
+            ("sm12x_overlay_delivery", job.overlay_delivery),
+            ("sm12x_overlay_hash", manifest["content_hash"]),
+            ("sm12x_target", job.target),
+        ),
+        notes=_notes(job, manifest, budget),
+    )
+
+
+def vllm_args(job: JobConfig) -> tuple[str, ...]:
+    """The arguments after the entrypoint: the model, then the flags the config owns."""
+    args = [job.model, "--host", "0.0.0.0", "--port", str(job.port)]
+    args += ["--tensor-parallel-size", str(job.tensor_parallel_size)]
+    args += ["--gpu-memory-utilization", f"{job.gpu_memory_utilization:g}"]
+    if job.served_model_name:
+        args += ["--served-model-name", job.served_model_name]
+    if job.max_model_len is not None:
+        args += ["--max-model-len", str(job.max_model_len)]
+    if job.sleep_mode:
+        args.append("--enable-sleep-mode")
+    return tuple(args + list(job.extra_args))
+
+
+def _managed_env(job: JobConfig) -> dict[str, str]:
+    env = {
+        # The stale-bytecode guard: Python reads and writes .pyc only under this
+        # per-allocation folder, so an overlaid .py never runs as the image's old .pyc
+        # (which a same-size, same-mtime overlay would otherwise match).
+        "PYTHONPYCACHEPREFIX": f"{TASK_DIR}/pycache",
+        # readonly_rootfs: every cache and temporary file goes to the task directory.
+        "TMPDIR": TASK_DIR,
+        "TRITON_CACHE_DIR": f"{TASK_DIR}/cache/triton",
+        "VLLM_CACHE_ROOT": f"{TASK_DIR}/cache/vllm",
+        "TORCHINDUCTOR_CACHE_DIR": f"{TASK_DIR}/cache/torchinductor",
+        "VLLM_NO_USAGE_STATS": "1",
+    }
+    if job.sleep_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # /sleep, /wake_up and /is_sleeping exist only then
+    if job.gpu_allocation == "shared":
+        env["NVIDIA_VISIBLE_DEVICES"] = ",".join(job.gpu_ids)
+        env["NVIDIA_DRIVER_CAPABILITIES"] = "compute,utility"
+    return env
+
+
+def _overlay(job: JobConfig, manifest: Mapping, files: list[dict]) -> tuple[list[Mount], list[Artifact]]:
+    if job.overlay_delivery == "host":
+        base = posixpath.join(job.overlay_host_dir, job.target, manifest["content_hash"])
+        return [Mount(posixpath.join(base, f["source"]), f["container_path"]) for f in files], []
+    assert job.artifact_base_url is not None
+    url = "/".join([job.artifact_base_url.rstrip("/"), quote(job.target, safe=""), manifest["content_hash"]])
+    mounts, artifacts = [], []
+    for f in files:
+        dest = posixpath.join(OVERLAY_DEST, f["source"])
+        artifacts.append(Artifact(f"{url}/{quote(f['source'])}", dest, f"sha256:{f['sha256']}"))
+        mounts.append(Mount(dest, f["container_path"]))
+    return mounts, artifacts
+
+
+def _cache_and_host_mounts(job: JobConfig) -> list[Mount]:
+    mounts = [Mount(ROOT_CACHE_SOURCE, ROOT_CACHE, readonly=False)]
+    return mounts + [Mount(host, container) for container, host in sorted(job.host_mounts.items())]
+
+
+def _check_unique_targets(mounts: list[Mount], where: str) -> None:
+    targets = [m.target for m in mounts]
+    dupes = sorted({t for t in targets if targets.count(t) > 1})
+    if dupes:
+        raise ConfigError(f"{where}: two mounts on the same path: {', '.join(dupes)}")
+
+
+def _device_constraints(job: JobConfig) -> tuple[Constraint, ...]:
+    if job.gpu_allocation != "device":
+        return ()
+    # The budget assumes gpu_capacity_gib: never place the job on a smaller GPU.
+    memory = Constraint("${device.attr.memory}", ">=", f"{math.ceil(job.gpu_capacity_gib * 1024)} MiB")
+    if job.gpu_model is None:
+        return (memory,)
+    return (Constraint("${device.model}", "regexp", job.gpu_model), memory)
+
+
+def _notes(job: JobConfig, manifest: Mapping, budget: Budget) -> tuple[str, ...]:
+    n = len(manifest["files"])
+    notes = [
+        f'Generated by sm12x-bundle from job "{job.name}" of the config: edit the config, not this file.',
+        f"Overlay {manifest['content_hash']} of target {job.target}: {n} file{'s' * (n != 1)}, "
+        f"{job.overlay_delivery} delivery.",
+        f"GPU memory budget: {budget.describe()} of {_num(budget.capacity_gib)} GiB.",
+        "Client settings this job needs:",
+        f'  client {{ max_kill_timeout = "{job.kill_timeout_s}s" }} or more (the default 30s cuts kill_timeout short)',
+    ]
+    if job.overlay_delivery == "host" or job.host_mounts:
+        notes.append('  plugin "docker" { config { volumes { enabled = true } } } (host-path bind mounts)')
+    if job.gpu_allocation == "shared":
+        notes.append('  the "nvidia" docker runtime, and these GPUs in the nvidia plugin\'s ignored_gpu_ids')
+    return tuple(notes)
+
+
+# --- API JSON -------------------------------------------------------------------
+
+
+def api_job(spec: JobSpec) -> dict:
+    """The job in Nomad's API JSON form (without the {"Job": ...} wrapper)."""
+    job = spec.job
+    return {
+        "ID": job.name,
+        "Name": job.name,
+        "Type": "service",
+        "Datacenters": list(job.datacenters),
+        "Meta": dict(spec.meta),
+        "TaskGroups": [_api_group(spec)],
+    }
+
+
+def _api_group(spec: JobSpec) -> dict:
+    job = spec.job
+    group = {
+        "Name": GROUP,
+        "Count": 1,
+        "Networks": [{"ReservedPorts": [{"Label": PORT_LABEL, "Value": job.port, "To": job.port}]}],
+        "EphemeralDisk": {"SizeMB": job.disk_mb},
+        "Update": {
+            "MaxParallel": 1,
+            "Canary": 0,
+            "HealthCheck": "checks",
+            "MinHealthyTime": job.min_healthy_time_s * _NS,
+            "HealthyDeadline": job.healthy_deadline_s * _NS,
+            "ProgressDeadline": job.progress_deadline_s * _NS,
+            "AutoRevert": True,
+        },
+        "Services": [_api_service(job)],
+        "Tasks": [_api_task(spec)],
+    }
+    if spec.constraints:
+        group["Constraints"] = [_api_constraint(c) for c in spec.constraints]
+    return group
+
+
+def _api_service(job: JobConfig) -> dict:
+    check = {
+        "Name": "vllm-health",
+        "Type": "http",
+        "Path": "/health",
+        "Interval": 15 * _NS,
+        "Timeout": 5 * _NS,
+        # A dead engine answers 503; restart it, but never while the model still loads.
+        "CheckRestart": {"Limit": 3, "Grace": job.load_time_s * _NS, "IgnoreWarnings": False},
+    }
+    return {"Name": job.name, "Provider": job.service_provider, "PortLabel": PORT_LABEL, "Checks": [check]}
+
+
+def _api_task(spec: JobSpec) -> dict:
+    job = spec.job
+    task = {
+        "Name": TASK,
+        "Driver": "docker",
+        "Config": _docker_config(spec),
+        "Env": dict(spec.env),
+        "Resources": {"CPU": job.cpu_mhz, "MemoryMB": job.memory_mb},
+        "KillTimeout": job.kill_timeout_s * _NS,
+    }
+    if spec.artifacts:
+        task["Artifacts"] = [
+            {
+                "GetterSource": a.source,
+                "GetterMode": "file",
+                "GetterOptions": {"checksum": a.checksum},
+                "RelativeDest": a.destination,
+            }
+            for a in spec.artifacts
+        ]
+    if not spec.shared_gpus:
+        device = {"Name": "nvidia/gpu", "Count": job.gpus}
+        device["Constraints"] = [_api_constraint(c) for c in spec.device_constraints]
+        task["Resources"]["Devices"] = [device]
+    return task
+
+
+def _docker_config(spec: JobSpec) -> dict:
+    config = {
+        "image": spec.image,
+        "entrypoint": list(spec.job.entrypoint),
+        "args": list(spec.args),
+        "ports": [PORT_LABEL],
+        "readonly_rootfs": spec.job.readonly_rootfs,
+        "shm_size": spec.job.shm_size_mb * 1024 * 1024,
+        "mount": [
+            {"type": "bind", "source": m.source, "target": m.target, "readonly": m.readonly} for m in spec.mounts
+        ],
+    }
+    if spec.shared_gpus:
+        config["runtime"] = "nvidia"
+    return config
+
+
+def _api_constraint(c: Constraint) -> dict:
+    return {"LTarget": c.attribute, "Operand": c.operator, "RTarget": c.value}
+
+
+def api_json_text(spec: JobSpec) -> str:
+    return json.dumps({"Job": api_job(spec)}, indent=2, sort_keys=True) + "\n"
+
+
+# --- HCL2 -----------------------------------------------------------------------
+
+
+@dataclass
+class _Block:
+    kind: str
+    labels: tuple[str, ...] = ()
+    body: list = field(default_factory=list)  # (name, value) pairs, _Block, _Comment
+
+
+@dataclass
+class _Comment:
+    text: str
+
+
+def hcl_text(spec: JobSpec) -> str:
+    """The job as HCL2 that `nomad fmt` would leave alone (attributes aligned)."""
+    header = [f"# {line}".rstrip() for line in spec.notes]
+    return "\n".join(header + _lines(_hcl_job(spec), 0)) + "\n"
+
+
+def _hcl_job(spec: JobSpec) -> _Block:
+    job = spec.job
+    body = [("type", "service"), ("datacenters", list(job.datacenters)), _Block("meta", body=list(spec.meta))]
+    return _Block("job", (job.name,), body + [_hcl_group(spec)])
+
+
+def _hcl_group(spec: JobSpec) -> _Block:
+    job = spec.job
+    port = _Block("port", (PORT_LABEL,), [("static", job.port), ("to", job.port)])
+    body: list = [("count", 1)]
+    body += [_hcl_constraint(c) for c in spec.constraints]
+    body += [
+        _Block("network", body=[port]),
+        _Block("ephemeral_disk", body=[("size", job.disk_mb)]),
+        _Comment("One peer at a time, gated on /health; a failed update rolls back."),
+        _Block(
+            "update",
+            body=[
+                ("max_parallel", 1),
+                ("canary", 0),
+                ("health_check", "checks"),
+                ("min_healthy_time", f"{job.min_healthy_time_s}s"),
+                ("healthy_deadline", f"{job.healthy_deadline_s}s"),
+                ("progress_deadline", f"{job.progress_deadline_s}s"),
+                ("auto_revert", True),
+            ],
+        ),
+        _hcl_service(job),
+        _hcl_task(spec),
+    ]
+    return _Block("group", (GROUP,), body)
+
+
+def _hcl_service(job: JobConfig) -> _Block:
+    restart = _Block("check_restart", body=[("limit", 3), ("grace", f"{job.load_time_s}s"), ("ignore_warnings", False)])
+    check = _Block(
+        "check",
+        body=[
+            ("name", "vllm-health"),
+            ("type", "http"),
+            ("path", "/health"),
+            ("interval", "15s"),
+            ("timeout", "5s"),
+            _Comment("A dead engine answers 503; restart it, but never while the model still loads."),
+            restart,
+        ],
+    )
+    return _Block("service", body=[("name", job.name), ("provider", job.service_provider), ("port", PORT_LABEL), check])
+
+
+def _hcl_task(spec: JobSpec) -> _Block:
+    job = spec.job
+    body: list = [("driver", "docker"), ("kill_timeout", f"{job.kill_timeout_s}s"), _hcl_config(spec)]
+    body.append(_Block("env", body=list(spec.env)))
+    body += [_hcl_artifact(a) for a in spec.artifacts]
+    resources: list = [("cpu", job.cpu_mhz), ("memory", job.memory_mb)]
+    if not spec.shared_gpus:
+        constraints = [_hcl_constraint(c) for c in spec.device_constraints]
+        resources.append(_Block("device", ("nvidia/gpu",), [("count", job.gpus), *constraints]))
+    body.append(_Block("resources", body=resources))
+    return _Block("task", (TASK,), body)
+
+
+def _hcl_config(spec: JobSpec) -> _Block:
+    job = spec.job
+    body: list = [
+        ("image", spec.image),
+        ("entrypoint", list(job.entrypoint)),
+        ("args", list(spec.args)),
+        ("ports", [PORT_LABEL]),
+        ("readonly_rootfs", job.readonly_rootfs),
+        ("shm_size", job.shm_size_mb * 1024 * 1024),
+    ]
+    if spec.shared_gpus:
+        body.append(("runtime", "nvidia"))
+    if any(m.source.startswith("/") for m in spec.mounts):
+        body.append(_Comment('Absolute sources need plugin "docker" { config { volumes { enabled = true } } }.'))
+    for m in spec.mounts:
+        mount = [("type", "bind"), ("source", m.source), ("target", m.target), ("readonly", m.readonly)]
+        body.append(_Block("mount", body=mount))
+    return _Block("config", body=body)
+
+
+def _hcl_artifact(a: Artifact) -> _Block:
+    options = _Block("options", body=[("checksum", a.checksum)])
+    return _Block("artifact", body=[("source", a.source), ("destination", a.destination), ("mode", "file"), options])
+
+
+def _hcl_constraint(c: Constraint) -> _Block:
+    return _Block("constraint", body=[("attribute", c.attribute), ("operator", c.operator), ("value", c.value)])
+
+
+def _lines(block: _Block, depth: int) -> list[str]:
+    pad = "  " * depth
+    head = " ".join([block.kind] + [_hcl_str(label) for label in block.labels])
+    return [f"{pad}{head} {{", *_body_lines(block.body, depth + 1), f"{pad}}}"]
+
+
+def _body_lines(items: list, depth: int) -> list[str]:
+    """Runs of attributes (aligned on '=') and blocks, separated by blank lines."""
+    chunks: list[list] = []
+    for item in items:
+        last = chunks[-1][-1] if chunks else None
+        # A comment belongs to what follows it; attributes in a row share one chunk.
+        if isinstance(last, _Comment) or (isinstance(item, tuple) and isinstance(last, tuple)):
+            chunks[-1].append(item)
+        else:
+            chunks.append([item])
+    out: list[str] = []
+    for chunk in chunks:
+        out += [""] if out else []
+        width = max((len(i[0]) for i in chunk if isinstance(i, tuple)), default=0)
+        for item in chunk:
+            out += _item_lines(item, depth, width)
+    return out
+
+
+def _item_lines(item: object, depth: int, width: int) -> list[str]:
+    pad = "  " * depth
+    if isinstance(item, _Comment):
+        return [f"{pad}# {item.text}"]
+    if isinstance(item, _Block):
+        return _lines(item, depth)
+    name, value = item  # type: ignore[misc]
+    head = f"{pad}{name.ljust(width)} = "
+    if isinstance(value, list) and len(value) > 2:
+        rows = (", ".join(_hcl_value(v) for v in row) for row in _flag_rows(value))
+        return [head + "[", *(f"{pad}  {row}," for row in rows), f"{pad}]"]
+    return [head + _hcl_value(value)]
+
+
+def _flag_rows(values: list) -> list[list]:
+    """One row per argument, a flag's value on the flag's row: easier to read and diff."""
+    rows: list[list] = []
+    for v in values:
+        if rows and len(rows[-1]) == 1 and str(rows[-1][0]).startswith("-") and not str(v).startswith("-"):
+            rows[-1].append(v)
+        else:
+            rows.append([v])
+    return rows
+
+
+def _hcl_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_hcl_value(v) for v in value) + "]"
+    return _hcl_str(str(value))
+
+
+# Nomad interpolates these at run time, in HCL and JSON alike; any other "${" is escaped so
+# that the HCL decodes to exactly the JSON's string.
+_RUNTIME = re.compile(r"\$\{(?!(?:node|attr|meta|device)\.[A-Za-z0-9_.\-]+\}|NOMAD_[A-Za-z0-9_]+\})")
+
+
+def _hcl_str(s: str) -> str:
+    s = s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+    s = _RUNTIME.sub("$${", s.replace("%{", "%%{"))
+    return f'"{s}"'
+
+
+# --- render and write -----------------------------------------------------------
+
+
+def render_jobs(config: Config, manifests: Mapping[str, Mapping]) -> dict[str, bytes]:
+    """Every job of the config as {file name: bytes}. Pure; raises before anything is written."""
+    _check_peer_ports(config)
+    files: dict[str, bytes] = {}
+    for job in config.jobs:
+        if job.target not in manifests:
+            raise ConfigError(
+                f"{config.origin}: job {job.name!r}: no overlay manifest for target {job.target!r}: "
+                "run 'sm12x-bundle overlay' first"
+            )
+        spec = plan_job(config, job, manifests[job.target])
+        files[f"{job.name}.nomad.hcl"] = _parsed_back(f"{job.name}.nomad.hcl", hcl_text(spec)).encode()
+        files[f"{job.name}.nomad.json"] = api_json_text(spec).encode()
+    return dict(sorted(files.items()))
+
+
+def _check_peer_ports(config: Config) -> None:
+    """Peers pinned to the same node cannot share a static port."""
+    seen: dict[tuple, str] = {}
+    for job in (j for j in config.jobs if j.gpu_allocation == "shared"):
+        key = (job.port, tuple(sorted(job.node_constraints.items())))
+        if key in seen:
+            raise ConfigError(
+                f"{config.origin}: jobs {seen[key]!r} and {job.name!r} share a node and both use port {job.port}"
+            )
+        seen.setdefault(key, job.name)
+
+
+def _parsed_back(name: str, text: str) -> str:
+    import hcl2  # python-hcl2; imported here so the CLI starts fast
+
+    try:
+        hcl2.loads(text)
+    except Exception as exc:  # lark raises several types; any of them is our bug
+        raise VerifyError(f"{name}: the generated HCL does not parse back: {exc}") from None
+    return text
+
+
+def write_jobs(files: Mapping[str, bytes], out: Path) -> list[tuple[Path, bool]]:
+    """Write each rendered file atomically; return (path, changed) pairs."""
+    return [(out / name, write_file(out / name, data)) for name, data in files.items()]
+
+
+def cmd_nomad(ctx: Context, args: argparse.Namespace) -> int:
+    config = ctx.config
+    if not config.jobs:
+        raise ConfigError(f"{config.origin}: no jobs to render: add a 'jobs:' list (example: nomad/rotation.yaml)")
+    files = render_jobs(config, find_manifests(config, args.manifest or ()))
+    out = Path(args.out) if args.out else Path(config.output.dir) / "nomad"
+    for path, changed in write_jobs(files, out):
+        print(f"{path}{'' if changed else ' (unchanged)'}")
+    print(
+        f"{len(config.jobs)} job(s): memory budget fits, HCL parsed back; "
+        "not submitted (no Nomad here: run 'nomad job validate' on a cluster)"
+    )
+    return 0
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", metavar="DIR", help="where to write the specs (default: <output.dir>/nomad)")
+    p.add_argument(
+        "--manifest",
+        action="append",
+        type=Path,
+        metavar="FILE",
+        help="an overlay manifest to use instead of <output.overlays>/<target>/current.json (repeatable)",
+    )
+
+
+COMMANDS = {
+    "nomad": (
+        "render Nomad job specs (HCL2 and API JSON) for the config's jobs",
+        "example: sm12x-bundle nomad --config nomad/rotation.yaml --manifest nomad/example-manifest.json --out nomad",
+        _add_arguments,
+        cmd_nomad,
+    ),
+}

@@ -1,0 +1,727 @@
+"""Nomad job specs: golden files, HCL <-> API JSON equivalence, the memory preflight, bad input.
+
+No Nomad binary and no daemon: the HCL is parsed back with python-hcl2 and reduced, like the
+API JSON, to a normalised view of the fields that matter (image, args, env, mounts, devices,
+constraints, update, services and checks, artifacts, resources); the two views must be equal.
+Each reducer consumes every key it reads and fails on any key left over, so a field that only
+one of the two forms carries cannot slip through.
+
+Refresh the golden files with SM12X_UPDATE_GOLDEN=1 after an intended change, and review the diff.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+import hcl2
+import pytest
+from hcl2.utils import SerializationOptions
+
+from sm12x_bundle import cli
+from sm12x_bundle import config as config_mod
+from sm12x_bundle.errors import ConfigError
+from sm12x_bundle.outputs import nomad
+
+REPO = Path(__file__).resolve().parents[1]
+GOLDEN = Path(__file__).parent / "golden" / "nomad"
+EXAMPLES = REPO / "nomad"
+UPDATE_GOLDEN = os.environ.get("SM12X_UPDATE_GOLDEN") == "1"
+ROOT = "/usr/local/lib/python3.12/dist-packages/vllm"
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def manifest() -> dict:
+    """A two-file manifest in the docs/design.md schema (hashes of stand-in bytes)."""
+    files = [
+        ("/device_allocator/cumem.py", ["cumem-stream-aware-free", "cumem-wake-up-rollback"], "0644"),
+        ("/cumem_allocator.abi3.so", ["cumem-error-code-reset"], "0755"),
+    ]
+    entries = [
+        {
+            "container_path": ROOT + rel,
+            "source": "files" + ROOT + rel,
+            "pre_image_sha256": _sha("original " + rel),
+            "sha256": _sha("patched " + rel),
+            "patches": patches,
+            "mode": mode,
+        }
+        for rel, patches, mode in files
+    ]
+    return {
+        "schema": 1,
+        "target": "vllm-openai-v0.21.0",
+        "image": "vllm/vllm-openai:v0.21.0",
+        "image_id": None,
+        "vllm_root": ROOT,
+        "versions": {"vllm": "0.21.0", "torch": None, "triton": None, "flashinfer": None, "deep_gemm": None},
+        "pin": {"version": "0.21.0", "sha256": "05ff89c3e926b88b77d7878e317a659ffba678afc21c1d48952037aa5457f058"},
+        "series_sha256": _sha("series"),
+        "content_hash": "0123456789abcdef",
+        "files": sorted(entries, key=lambda f: f["container_path"]),
+    }
+
+
+TARGETS = """\
+targets:
+  - name: vllm-openai-v0.21.0
+    image: vllm/vllm-openai:v0.21.0
+    pinned: true
+"""
+
+HOST_JOB = """\
+  - name: host-job
+    model: /models/DeepSeek-V4-Flash
+    served_model_name: deepseek-v4-flash
+    target: vllm-openai-v0.21.0
+    tensor_parallel_size: 4
+    gpus: 4
+    gpu_allocation: device
+    gpu_model: "RTX PRO 6000"
+    gpu_memory_utilization: 0.70
+    non_cumem_gib: 22
+    peer_residue_gib: 4.8
+    port: 8001
+    max_model_len: 131072
+    extra_args: ["--max-num-seqs", "12"]
+    env: {HF_HUB_OFFLINE: "1"}
+    host_mounts: {/models: /srv/models}
+    overlay_delivery: host
+    load_time_s: 1200
+"""
+
+ARTIFACT_JOB = """\
+  - name: artifact-job
+    model: /models/MiMo-V2.5-Flash
+    target: vllm-openai-v0.21.0
+    tensor_parallel_size: 4
+    gpus: 4
+    gpu_allocation: shared
+    gpu_ids: ["0", "1", "2", "3"]
+    node_constraints: {"${meta.gpu_pool}": rtx-pro-6000-tp4-a}
+    gpu_memory_utilization: 0.70
+    non_cumem_gib: 22
+    peer_residue_gib: 4.8
+    port: 8002
+    overlay_delivery: artifact
+    artifact_base_url: https://overlays.example.internal/sm12x/
+    service_provider: consul
+    readonly_rootfs: true
+"""
+
+
+def parse(text: str) -> config_mod.Config:
+    return config_mod.parse(text, "cfg.yaml", Path("/base"))
+
+
+def jobs_config(*jobs: str) -> config_mod.Config:
+    return parse(TARGETS + "jobs:\n" + "".join(jobs))
+
+
+def render(*jobs: str, m: dict | None = None) -> dict[str, bytes]:
+    return nomad.render_jobs(jobs_config(*jobs), {"vllm-openai-v0.21.0": m or manifest()})
+
+
+# --- normalised views of the two forms -------------------------------------------
+
+_MISSING = object()
+
+
+class Take:
+    """Read a mapping by consuming it; ``done()`` fails on keys nobody read."""
+
+    def __init__(self, d: dict, where: str):
+        assert isinstance(d, dict), f"{where}: not a mapping: {d!r}"
+        self.d, self.where = dict(d), where
+
+    def __call__(self, key: str, default=_MISSING):
+        if key in self.d:
+            return self.d.pop(key)
+        assert default is not _MISSING, f"{self.where}: missing {key}"
+        return default
+
+    def sub(self, key: str) -> Take:
+        return Take(self(key), f"{self.where}.{key}")
+
+    def done(self) -> None:
+        assert not self.d, f"{self.where}: unexpected {sorted(self.d)}"
+
+
+def _api_seconds(ns: int) -> int:
+    assert ns % 1_000_000_000 == 0, ns
+    return ns // 1_000_000_000
+
+
+def _hcl_seconds(s: str) -> int:
+    m = re.fullmatch(r"(\d+)([smh])", s)
+    assert m, s
+    return int(m.group(1)) * {"s": 1, "m": 60, "h": 3600}[m.group(2)]
+
+
+def _api_constraints(items) -> list:
+    out = []
+    for c in items:
+        t = Take(c, "constraint")
+        out.append((t("LTarget"), t("Operand"), t("RTarget")))
+        t.done()
+    return sorted(out)
+
+
+def api_view(doc: dict) -> dict:
+    top = Take(doc, "json")
+    job = top.sub("Job")
+    top.done()
+    (group,) = job("TaskGroups")
+    g = Take(group, "group")
+    (task,) = g("Tasks")
+    t = Take(task, "task")
+    view = {
+        "job": {"id": job("ID"), "name": job("Name"), "type": job("Type"), "datacenters": job("Datacenters"), "meta": job("Meta")},
+        "group": _api_group(g),
+        "task": _api_task(t),
+    }
+    for part in (job, g, t):
+        part.done()
+    return view
+
+
+def _api_group(g: Take) -> dict:
+    (network,) = g("Networks")
+    n = Take(network, "network")
+    ports = []
+    for p in n("ReservedPorts"):
+        pt = Take(p, "port")
+        ports.append((pt("Label"), pt("Value"), pt("To")))
+        pt.done()
+    n.done()
+    disk = g.sub("EphemeralDisk")
+    u = g.sub("Update")
+    view = {
+        "name": g("Name"),
+        "count": g("Count"),
+        "constraints": _api_constraints(g("Constraints", [])),
+        "ports": ports,
+        "disk_mb": disk("SizeMB"),
+        "update": {
+            "max_parallel": u("MaxParallel"),
+            "canary": u("Canary"),
+            "health_check": u("HealthCheck"),
+            "min_healthy_time": _api_seconds(u("MinHealthyTime")),
+            "healthy_deadline": _api_seconds(u("HealthyDeadline")),
+            "progress_deadline": _api_seconds(u("ProgressDeadline")),
+            "auto_revert": u("AutoRevert"),
+        },
+        "services": [_api_service(Take(s, "service")) for s in g("Services")],
+    }
+    disk.done()
+    u.done()
+    return view
+
+
+def _api_service(s: Take) -> dict:
+    checks = []
+    for c in s("Checks"):
+        ct = Take(c, "check")
+        r = ct.sub("CheckRestart")
+        checks.append(
+            {
+                "name": ct("Name"),
+                "type": ct("Type"),
+                "path": ct("Path"),
+                "interval": _api_seconds(ct("Interval")),
+                "timeout": _api_seconds(ct("Timeout")),
+                "check_restart": {"limit": r("Limit"), "grace": _api_seconds(r("Grace")), "ignore_warnings": r("IgnoreWarnings")},
+            }
+        )
+        r.done()
+        ct.done()
+    view = {"name": s("Name"), "provider": s("Provider"), "port": s("PortLabel"), "checks": checks}
+    s.done()
+    return view
+
+
+def _api_task(t: Take) -> dict:
+    cfg = t.sub("Config")
+    res = t.sub("Resources")
+    artifacts = []
+    for a in t("Artifacts", []):
+        at = Take(a, "artifact")
+        artifacts.append(
+            {"source": at("GetterSource"), "destination": at("RelativeDest"), "mode": at("GetterMode"), "options": at("GetterOptions")}
+        )
+        at.done()
+    devices = []
+    for d in res("Devices", []):
+        dt = Take(d, "device")
+        devices.append({"name": dt("Name"), "count": dt("Count"), "constraints": _api_constraints(dt("Constraints", []))})
+        dt.done()
+    view = {
+        "name": t("Name"),
+        "driver": t("Driver"),
+        "kill_timeout": _api_seconds(t("KillTimeout")),
+        "env": t("Env"),
+        "artifacts": artifacts,
+        "resources": {"cpu": res("CPU"), "memory": res("MemoryMB"), "devices": devices},
+        "docker": _docker_view(cfg),
+    }
+    cfg.done()
+    res.done()
+    return view
+
+
+def _docker_view(cfg: Take) -> dict:
+    mounts = []
+    for m in cfg("mount", []):
+        mt = Take(m, "mount")
+        mounts.append({"type": mt("type"), "source": mt("source"), "target": mt("target"), "readonly": mt("readonly")})
+        mt.done()
+    return {
+        "image": cfg("image"),
+        "entrypoint": cfg("entrypoint"),
+        "args": cfg("args"),
+        "ports": cfg("ports"),
+        "readonly_rootfs": cfg("readonly_rootfs"),
+        "shm_size": cfg("shm_size"),
+        "runtime": cfg("runtime", None),
+        "mounts": mounts,
+    }
+
+
+def _unescape(value):
+    """HCL template escapes that python-hcl2 keeps: $${ -> ${, %%{ -> %{."""
+    if isinstance(value, str):
+        return value.replace("$${", "${").replace("%%{", "%{")
+    if isinstance(value, list):
+        return [_unescape(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _unescape(v) for k, v in value.items()}
+    return value
+
+
+def _labeled(body: Take, key: str) -> list[tuple[str, Take]]:
+    return [(label, Take(b, f"{body.where}.{key}.{label}")) for item in body(key, []) for label, b in item.items()]
+
+
+def _block(body: Take, key: str) -> Take:
+    (b,) = body(key)
+    return Take(b, f"{body.where}.{key}")
+
+
+def _hcl_constraints(body: Take) -> list:
+    out = []
+    for c in body("constraint", []):
+        ct = Take(c, "constraint")
+        out.append((ct("attribute"), ct("operator"), ct("value")))
+        ct.done()
+    return sorted(out)
+
+
+def hcl_view(text: str) -> dict:
+    options = SerializationOptions(with_comments=False, explicit_blocks=False, strip_string_quotes=True)
+    top = Take(_unescape(hcl2.loads(text, serialization_options=options)), "hcl")
+    ((job_id, job),) = _labeled(top, "job")
+    top.done()
+    ((group_name, g),) = _labeled(job, "group")
+    ((task_name, t),) = _labeled(g, "task")
+    meta = _block(job, "meta")
+    view = {
+        "job": {"id": job_id, "name": job_id, "type": job("type"), "datacenters": job("datacenters"), "meta": meta.d},
+        "group": _hcl_group(group_name, g),
+        "task": _hcl_task(task_name, t),
+    }
+    for part in (job, g, t):
+        part.done()
+    return view
+
+
+def _hcl_group(name: str, g: Take) -> dict:
+    network = _block(g, "network")
+    ports = []
+    for label, p in _labeled(network, "port"):
+        ports.append((label, p("static"), p("to")))
+        p.done()
+    network.done()
+    disk = _block(g, "ephemeral_disk")
+    u = _block(g, "update")
+    view = {
+        "name": name,
+        "count": g("count"),
+        "constraints": _hcl_constraints(g),
+        "ports": ports,
+        "disk_mb": disk("size"),
+        "update": {
+            "max_parallel": u("max_parallel"),
+            "canary": u("canary"),
+            "health_check": u("health_check"),
+            "min_healthy_time": _hcl_seconds(u("min_healthy_time")),
+            "healthy_deadline": _hcl_seconds(u("healthy_deadline")),
+            "progress_deadline": _hcl_seconds(u("progress_deadline")),
+            "auto_revert": u("auto_revert"),
+        },
+        "services": [_hcl_service(Take(s, "service")) for s in g("service")],
+    }
+    disk.done()
+    u.done()
+    return view
+
+
+def _hcl_service(s: Take) -> dict:
+    checks = []
+    for c in s("check"):
+        ct = Take(c, "check")
+        r = _block(ct, "check_restart")
+        checks.append(
+            {
+                "name": ct("name"),
+                "type": ct("type"),
+                "path": ct("path"),
+                "interval": _hcl_seconds(ct("interval")),
+                "timeout": _hcl_seconds(ct("timeout")),
+                "check_restart": {"limit": r("limit"), "grace": _hcl_seconds(r("grace")), "ignore_warnings": r("ignore_warnings")},
+            }
+        )
+        r.done()
+        ct.done()
+    view = {"name": s("name"), "provider": s("provider"), "port": s("port"), "checks": checks}
+    s.done()
+    return view
+
+
+def _hcl_task(name: str, t: Take) -> dict:
+    cfg = _block(t, "config")
+    res = _block(t, "resources")
+    env = _block(t, "env")
+    artifacts = []
+    for a in t("artifact", []):
+        at = Take(a, "artifact")
+        options = _block(at, "options")
+        artifacts.append({"source": at("source"), "destination": at("destination"), "mode": at("mode"), "options": options.d})
+        at.done()
+    devices = []
+    for label, d in _labeled(res, "device"):
+        devices.append({"name": label, "count": d("count"), "constraints": _hcl_constraints(d)})
+        d.done()
+    view = {
+        "name": name,
+        "driver": t("driver"),
+        "kill_timeout": _hcl_seconds(t("kill_timeout")),
+        "env": env.d,
+        "artifacts": artifacts,
+        "resources": {"cpu": res("cpu"), "memory": res("memory"), "devices": devices},
+        "docker": _docker_view(cfg),
+    }
+    cfg.done()
+    res.done()
+    return view
+
+
+def assert_same_job(hcl_bytes: bytes, json_bytes: bytes) -> dict:
+    a, b = hcl_view(hcl_bytes.decode()), api_view(json.loads(json_bytes))
+    assert a == b
+    return b
+
+
+# --- golden files -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("job", [HOST_JOB, ARTIFACT_JOB], ids=["host", "artifact"])
+def test_golden(job):
+    files = render(job)
+    assert len(files) == 2
+    for name, data in files.items():
+        path = GOLDEN / name
+        if UPDATE_GOLDEN:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        assert path.is_file(), f"{path} missing: run with SM12X_UPDATE_GOLDEN=1"
+        assert data == path.read_bytes(), f"{name} differs from the golden file (SM12X_UPDATE_GOLDEN=1 refreshes it)"
+
+
+def test_golden_pairs_describe_the_same_job():
+    names = sorted(p.name.removesuffix(".nomad.hcl") for p in GOLDEN.glob("*.nomad.hcl"))
+    assert names == ["artifact-job", "host-job"]
+    for name in names:
+        assert_same_job((GOLDEN / f"{name}.nomad.hcl").read_bytes(), (GOLDEN / f"{name}.nomad.json").read_bytes())
+
+
+def test_host_delivery_binds_content_addressed_host_paths():
+    view = api_view(json.loads(render(HOST_JOB)["host-job.nomad.json"]))
+    mounts = {m["target"]: m for m in view["task"]["docker"]["mounts"]}
+    cumem = mounts[ROOT + "/device_allocator/cumem.py"]
+    assert cumem == {
+        "type": "bind",
+        "source": "/opt/sm12x-bundle/overlays/vllm-openai-v0.21.0/0123456789abcdef/files" + ROOT + "/device_allocator/cumem.py",
+        "target": ROOT + "/device_allocator/cumem.py",
+        "readonly": True,
+    }
+    assert mounts["/root/.cache"] == {"type": "bind", "source": "../alloc/data", "target": "/root/.cache", "readonly": False}
+    assert view["task"]["artifacts"] == []
+    hcl = render(HOST_JOB)["host-job.nomad.hcl"].decode()
+    assert 'plugin "docker" { config { volumes { enabled = true } } }' in hcl
+
+
+def test_artifact_delivery_fetches_with_checksum_then_binds_relative_path():
+    m = manifest()
+    view = api_view(json.loads(render(ARTIFACT_JOB, m=m)["artifact-job.nomad.json"]))
+    so = next(f for f in m["files"] if f["container_path"].endswith(".so"))
+    dest = "local/overlay/files" + ROOT + "/cumem_allocator.abi3.so"
+    assert {
+        "source": "https://overlays.example.internal/sm12x/vllm-openai-v0.21.0/0123456789abcdef/files" + ROOT + "/cumem_allocator.abi3.so",
+        "destination": dest,
+        "mode": "file",
+        "options": {"checksum": "sha256:" + so["sha256"]},
+    } in view["task"]["artifacts"]
+    mounts = view["task"]["docker"]["mounts"]
+    assert {"type": "bind", "source": dest, "target": so["container_path"], "readonly": True} in mounts
+    assert all(not m["source"].startswith("/") for m in mounts), "artifact delivery needs no host paths"
+    assert "volumes { enabled = true }" not in render(ARTIFACT_JOB)["artifact-job.nomad.hcl"].decode()
+
+
+def test_sleep_mode_stale_bytecode_guard_and_caches():
+    view = api_view(json.loads(render(HOST_JOB)["host-job.nomad.json"]))
+    env = view["task"]["env"]
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert "--enable-sleep-mode" in view["task"]["docker"]["args"]
+    assert env["PYTHONPYCACHEPREFIX"] == "/local/pycache"
+    for key in ("TRITON_CACHE_DIR", "VLLM_CACHE_ROOT", "TMPDIR"):
+        assert env[key].startswith("/local")
+    assert view["task"]["docker"]["readonly_rootfs"] is True
+    assert view["task"]["docker"]["entrypoint"] == ["python3", "-m", "vllm.entrypoints.cli.main", "serve"]
+    assert view["group"]["update"] == {
+        "max_parallel": 1,
+        "canary": 0,
+        "health_check": "checks",
+        "min_healthy_time": 60,
+        "healthy_deadline": 1800,
+        "progress_deadline": 2400,
+        "auto_revert": True,
+    }
+    (check,) = view["group"]["services"][0]["checks"]
+    assert (check["type"], check["path"], check["check_restart"]["grace"]) == ("http", "/health", 1200)
+
+
+def test_gpus_device_reservation_versus_shared_peers():
+    device = api_view(json.loads(render(HOST_JOB)["host-job.nomad.json"]))
+    (gpu,) = device["task"]["resources"]["devices"]
+    assert gpu == {
+        "name": "nvidia/gpu",
+        "count": 4,
+        "constraints": [("${device.attr.memory}", ">=", "97280 MiB"), ("${device.model}", "regexp", "RTX PRO 6000")],
+    }
+    shared = api_view(json.loads(render(ARTIFACT_JOB)["artifact-job.nomad.json"]))
+    assert shared["task"]["resources"]["devices"] == []
+    assert shared["task"]["env"]["NVIDIA_VISIBLE_DEVICES"] == "0,1,2,3"
+    assert shared["task"]["docker"]["runtime"] == "nvidia"
+    assert shared["group"]["constraints"] == [("${meta.gpu_pool}", "=", "rtx-pro-6000-tp4-a")]
+
+
+# --- the committed examples ---------------------------------------------------------
+
+
+def example_pairs() -> list[str]:
+    return sorted(p.name.removesuffix(".nomad.hcl") for p in EXAMPLES.glob("*.nomad.hcl"))
+
+
+def test_examples_are_the_rotation():
+    assert example_pairs() == ["dsv4-flash", "mimo-flash"]
+    cfg = config_mod.load(EXAMPLES / "rotation.yaml")
+    for job in cfg.jobs:
+        assert (job.tensor_parallel_size, job.gpus, job.gpu_ids, job.sleep_mode) == (4, 4, ("0", "1", "2", "3"), True)
+        assert job.gpu_memory_utilization == 0.70
+    assert {j.node_constraints["${meta.gpu_pool}"] for j in cfg.jobs} == {"rtx-pro-6000-tp4-a"}
+    assert cfg.jobs[0].non_cumem_gib == 22
+
+
+@pytest.mark.parametrize("name", example_pairs())
+def test_example_hcl_and_json_describe_the_same_job(name):
+    view = assert_same_job((EXAMPLES / f"{name}.nomad.hcl").read_bytes(), (EXAMPLES / f"{name}.nomad.json").read_bytes())
+    assert view["job"]["id"] == name
+
+
+def test_examples_are_rendered_from_the_committed_config():
+    cfg = config_mod.load(EXAMPLES / "rotation.yaml")
+    manifests = nomad.find_manifests(cfg, [EXAMPLES / "example-manifest.json"])
+    for name, data in nomad.render_jobs(cfg, manifests).items():
+        assert data == (EXAMPLES / name).read_bytes(), f"nomad/{name} is stale: rerun the command in nomad/README.md"
+
+
+def test_example_manifest_matches_the_pinned_series(patched_tree, pinned_tree):
+    """The example manifest's cumem.py hashes are the pinned file's and the series' result."""
+    m = json.loads((EXAMPLES / "example-manifest.json").read_text())
+    nomad.check_manifest(m, "example")
+    assert [f["container_path"].removeprefix(ROOT) for f in m["files"]] == [
+        "/cumem_allocator.abi3.so",
+        "/device_allocator/cumem.py",
+    ]
+    entry = m["files"][1]
+    rel = entry["container_path"].removeprefix("/usr/local/lib/python3.12/dist-packages/")
+    assert entry["pre_image_sha256"] == hashlib.sha256((pinned_tree / rel).read_bytes()).hexdigest()
+    assert entry["sha256"] == hashlib.sha256((patched_tree / rel).read_bytes()).hexdigest()
+
+
+# --- the memory-budget preflight ------------------------------------------------------
+
+
+def budget(util: float) -> nomad.Budget:
+    return nomad.Budget(utilization=util, capacity_gib=95, non_cumem_gib=22, residue_gib=4.8)
+
+
+def test_preflight_seed_numbers():
+    assert not budget(0.85).fits()
+    assert budget(0.70).fits()
+    assert budget(0.71).fits() and not budget(0.72).fits()
+    assert budget(0.85).largest_utilization() == 0.71
+    assert budget(0.70).describe() == (
+        "0.7 x 95 GiB (66.5 GiB cumem) + 22 GiB non-cumem + 4.8 GiB sleeping-peer residue = 93.3 GiB"
+    )
+
+
+def test_preflight_error_names_the_numbers_and_the_largest_fit():
+    with pytest.raises(ConfigError) as exc:
+        render(HOST_JOB.replace("gpu_memory_utilization: 0.70", "gpu_memory_utilization: 0.85"))
+    assert str(exc.value) == (
+        "cfg.yaml: job 'host-job': the GPU memory budget does not fit: 0.85 x 95 GiB (80.75 GiB cumem)"
+        " + 22 GiB non-cumem + 4.8 GiB sleeping-peer residue = 107.55 GiB > 95 GiB;"
+        " the largest gpu_memory_utilization that fits is 0.71"
+    )
+
+
+def test_preflight_when_nothing_fits():
+    b = nomad.Budget(utilization=0.1, capacity_gib=24, non_cumem_gib=22, residue_gib=4.8)
+    assert b.largest_utilization() == 0
+    with pytest.raises(ConfigError, match="no utilization fits"):
+        nomad.check_budget(config_mod.JobConfig(name="j", model="m", target="t", gpu_capacity_gib=24,
+                                                gpu_memory_utilization=0.1, non_cumem_gib=22, peer_residue_gib=4.8), "w")
+
+
+def test_preflight_rounds_down():
+    # (95 - 28.5) / 95 = 0.7 exactly; float noise must not turn it into 0.69.
+    assert nomad.Budget(0.9, 95, 28.5, 0).largest_utilization() == 0.70
+    assert nomad.Budget(0.9, 80, 10, 2.5).largest_utilization() == 0.84  # 0.84375
+
+
+# --- determinism ---------------------------------------------------------------------
+
+
+def test_same_inputs_same_bytes():
+    m = manifest()
+    shuffled = copy.deepcopy(m)
+    shuffled["files"].reverse()
+    shuffled = json.loads(json.dumps(shuffled, sort_keys=False))
+    assert render(HOST_JOB, ARTIFACT_JOB, m=m) == render(ARTIFACT_JOB, HOST_JOB, m=shuffled)
+
+
+def test_strings_survive_both_forms():
+    job = HOST_JOB.replace(
+        'env: {HF_HUB_OFFLINE: "1"}',
+        'env: {Q: "say \\"hi\\" \\\\ ${HOME} %{x} ${NOMAD_ALLOC_DIR}/y", MULTI: "a\\nb"}',
+    )
+    files = render(job)
+    view = assert_same_job(files["host-job.nomad.hcl"], files["host-job.nomad.json"])
+    assert view["task"]["env"]["Q"] == 'say "hi" \\ ${HOME} %{x} ${NOMAD_ALLOC_DIR}/y'
+    assert view["task"]["env"]["MULTI"] == "a\nb"
+    assert '${NOMAD_ALLOC_DIR}/y' in files["host-job.nomad.hcl"].decode()  # runtime variables stay readable
+
+
+# --- bad input: a clear error, nothing written ------------------------------------------
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest()))
+    return tmp_path
+
+
+def run_cli(workdir: Path, jobs: list[str], *extra: str) -> int:
+    (workdir / "cfg.yaml").write_text(TARGETS + "jobs:\n" + "".join(jobs))
+    return cli.main(["nomad", "-q", "--config", str(workdir / "cfg.yaml"), "--out", str(workdir / "out"), *extra])
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (("overlay_delivery: host", "overlay_delivery: rsync"), "unknown overlay_delivery 'rsync': choose one of host, artifact"),
+        (("tensor_parallel_size: 4", "tensor_parallel_size: 2"), "tensor_parallel_size 2 needs as many GPUs, but gpus is 4"),
+        (("gpu_allocation: device", "gpu_allocation: mig"), "unknown gpu_allocation 'mig'"),
+        (('extra_args: ["--max-num-seqs", "12"]', 'extra_args: ["--port=9000"]'), "extra_args sets --port"),
+        (('env: {HF_HUB_OFFLINE: "1"}', 'env: {PYTHONPYCACHEPREFIX: "/tmp"}'), "env PYTHONPYCACHEPREFIX is set by sm12x-bundle"),
+        (("load_time_s: 1200", "load_time_s: 2000"), "healthy_deadline_s (1800) must exceed load_time_s (2000)"),
+        (("gpu_memory_utilization: 0.70", "gpu_memory_utilization: 0.85"), "the largest gpu_memory_utilization that fits is 0.71"),
+    ],
+)
+def test_bad_job_is_refused_and_nothing_is_written(workdir, capsys, change, message):
+    rc = run_cli(workdir, [ARTIFACT_JOB, HOST_JOB.replace(*change)], "--manifest", str(workdir / "manifest.json"))
+    assert rc == ConfigError.exit_code
+    assert message in capsys.readouterr().err
+    assert not (workdir / "out").exists(), "the valid first job must not be written either"
+
+
+def test_artifact_delivery_needs_a_base_url(workdir, capsys):
+    job = ARTIFACT_JOB.replace("    artifact_base_url: https://overlays.example.internal/sm12x/\n", "")
+    rc = run_cli(workdir, [job], "--manifest", str(workdir / "manifest.json"))
+    assert rc == ConfigError.exit_code
+    assert "overlay_delivery 'artifact' needs artifact_base_url" in capsys.readouterr().err
+    assert not (workdir / "out").exists()
+
+
+def test_missing_manifest_says_which_command_to_run(workdir, capsys):
+    rc = run_cli(workdir, [HOST_JOB])
+    err = capsys.readouterr().err
+    assert rc == ConfigError.exit_code
+    assert "no overlay manifest for target 'vllm-openai-v0.21.0' at overlays/vllm-openai-v0.21.0/current.json" in err
+    assert "run 'sm12x-bundle overlay'" in err
+    assert not (workdir / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda m: m["files"][0].update(sha256="abc"), "sha256 must be 64 lowercase hex digits"),
+        (lambda m: m["files"][0].update(source="files/../../etc/passwd"), "source must be a normalised path under files/"),
+        (lambda m: m.update(image="vllm/vllm-openai:v0.26.0"), "was made for vllm/vllm-openai:v0.26.0"),
+        (lambda m: m.update(schema=2), "not a schema 1 manifest"),
+    ],
+)
+def test_bad_manifest_is_refused(workdir, capsys, edit, message):
+    m = manifest()
+    edit(m)
+    (workdir / "manifest.json").write_text(json.dumps(m))
+    assert run_cli(workdir, [HOST_JOB], "--manifest", str(workdir / "manifest.json")) == ConfigError.exit_code
+    assert message in capsys.readouterr().err
+    assert not (workdir / "out").exists()
+
+
+def test_default_output_dir_and_rerun_changes_nothing(workdir, capsys):
+    current = workdir / "overlays" / "vllm-openai-v0.21.0" / "current.json"
+    current.parent.mkdir(parents=True)
+    current.write_text(json.dumps(manifest()))
+    (workdir / "cfg.yaml").write_text(TARGETS + "jobs:\n" + HOST_JOB)
+    assert cli.main(["nomad", "-q", "--config", str(workdir / "cfg.yaml")]) == 0
+    out = workdir / "build" / "nomad"
+    assert sorted(p.name for p in out.iterdir()) == ["host-job.nomad.hcl", "host-job.nomad.json"]
+    first = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}
+    capsys.readouterr()
+    assert cli.main(["nomad", "-q", "--config", str(workdir / "cfg.yaml")]) == 0
+    assert "(unchanged)" in capsys.readouterr().out
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()} == first
+
+
+def test_rotation_peers_need_their_own_ports():
+    peer = ARTIFACT_JOB.replace("name: artifact-job", "name: peer-job")
+    with pytest.raises(ConfigError, match="jobs 'artifact-job' and 'peer-job' share a node and both use port 8002"):
+        render(ARTIFACT_JOB, peer)
+    assert len(render(ARTIFACT_JOB, peer.replace("port: 8002", "port: 8003"))) == 4
+
+
+def test_no_jobs_is_a_clear_error(workdir, capsys):
+    (workdir / "cfg.yaml").write_text(TARGETS)
+    assert cli.main(["nomad", "-q", "--config", str(workdir / "cfg.yaml")]) == ConfigError.exit_code
+    assert "no jobs to render" in capsys.readouterr().err
