@@ -70,11 +70,24 @@ class TargetConfig:
 class ImageConfig:
     """The bundle image."""
 
+    # The base vLLM image, by tag; with base_digest (sha256:...) the build uses
+    # exactly that registry digest and refuses a local image that lacks it.
     base: str = "vllm/vllm-openai:v0.21.0"
     base_digest: str | None = None
     tag: str = "sm12x-bundle:0.21.0"
+    # vLLM install root inside the base; None asks the base's own Python.
     root: str | None = None
     source_url: str = "https://example.invalid/sm12x-bundle"
+    # org.opencontainers.image.revision; None: the series sha256 (the patches' content).
+    revision: str | None = None
+    # The image the cumem extension is built in; None: the base itself (its own
+    # Python and CUDA headers, so the extension matches the image it lands in).
+    builder_base: str | None = None
+    # A shell line run in the builder before compiling, for a base without a
+    # compiler (e.g. "apt-get update && apt-get install -y --no-install-recommends g++").
+    builder_setup: str | None = None
+    # CUDA toolkit inside the builder: include/cuda.h and the stub libcuda.so.
+    cuda_home: str = "/usr/local/cuda"
     build: bool = False
     push: bool = False
 
@@ -89,23 +102,49 @@ class JobConfig:
     served_model_name: str | None = None
     tensor_parallel_size: int = 1
     gpus: int = 1
+    # "device": the Nomad device plugin reserves the GPUs. Nomad hands each GPU to one
+    # task only, so sleep-rotation peers on the same GPUs use "shared": no reservation,
+    # NVIDIA_VISIBLE_DEVICES = gpu_ids, and node_constraints pin the node.
+    gpu_allocation: str = "device"
+    gpu_ids: tuple[str, ...] = ()
+    # A regular expression matched against the device plugin's ${device.model}.
     gpu_model: str | None = None
+    # The memory-budget preflight: utilization x capacity + non-cumem + peer residue
+    # must fit in capacity.
     gpu_capacity_gib: float = 95.0
     gpu_memory_utilization: float = 0.9
     non_cumem_gib: float = 0.0
     peer_residue_gib: float = 0.0
+    # Placement constraints: attribute (e.g. "${meta.gpu_pool}") -> value.
+    node_constraints: dict[str, str] = field(default_factory=dict)
     port: int = 8000
+    # Where the /health-checked service registers: "nomad" (built in) or "consul".
+    service_provider: str = "nomad"
     sleep_mode: bool = True
     max_model_len: int | None = None
+    entrypoint: tuple[str, ...] = ("python3", "-m", "vllm.entrypoints.cli.main", "serve")
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    # Read-only host folders (model weights): container path -> host path.
+    host_mounts: dict[str, str] = field(default_factory=dict)
+    # "host": bind-mount the overlay files from overlay_host_dir on the client;
+    # "artifact": fetch them from artifact_base_url with a checksum, then bind-mount.
     overlay_delivery: str = "host"
     overlay_host_dir: str = "/opt/sm12x-bundle/overlays"
     artifact_base_url: str | None = None
     datacenters: tuple[str, ...] = ("dc1",)
-    healthy_deadline_s: int = 1800
-    kill_timeout_s: int = 120
+    cpu_mhz: int = 16000
+    # Sleeping weights live in pinned host memory, inside this limit.
+    memory_mb: int = 65536
+    shm_size_mb: int = 16384
+    disk_mb: int = 20480
     readonly_rootfs: bool = True
+    # Worst-case model load (weights, compile, graph capture, JIT) measured on the fleet.
+    load_time_s: int = 900
+    min_healthy_time_s: int = 60
+    healthy_deadline_s: int = 1800
+    progress_deadline_s: int = 2400
+    kill_timeout_s: int = 300
 
 
 @dataclass(frozen=True)
