@@ -9,7 +9,9 @@ stand-ins for the few vLLM modules they import.
 
     python bench/sparse_mla_bench.py --tree PATCHED_TREE --out DIR [--sections ...]
 
-Sections: env, smem, sweep, correctness, layer, decode, reference, prefill.
+Sections: env, smem, sweep, correctness, layer, decode, reference, prefill,
+indexer (the sparse indexer's Triton MQA logits), einsum (the output
+projection's Triton fp8 einsum).
 Prints a report and writes DIR/sparse_mla_bench.json.
 """
 
@@ -29,6 +31,8 @@ from pathlib import Path
 import torch
 
 KERNEL = "vllm/v1/attention/ops/sm12x_sparse_mla/attention.py"
+INDEXER = "vllm/v1/attention/ops/sm12x_sparse_mla/indexer.py"
+EINSUM = "vllm/v1/attention/ops/sm12x_sparse_mla/einsum.py"
 SELECTION = "vllm/v1/attention/ops/sm12x_sparse_mla/selection.py"
 CACHE_UTILS = "vllm/v1/attention/ops/deepseek_v4_ops/cache_utils.py"
 ROCM_REF = "vllm/v1/attention/ops/rocm_aiter_mla_sparse.py"
@@ -256,9 +260,12 @@ def section_env(args):
 def section_smem(args, mla):
     from triton.backends.compiler import GPUTarget
 
+    extra = [load(args.tree, rel, f"sm12x_{Path(rel).stem}") for rel in (INDEXER, EINSUM)]
     out = {}
     for cap in (120, 90):
         rep = mla.shared_memory_report(GPUTarget("cuda", cap, 32))
+        for mod in extra:
+            rep = rep + mod.shared_memory_report(GPUTarget("cuda", cap, 32))
         out[f"sm_{cap}"] = rep
         for name, shared in rep:
             ok = shared <= mla.SM120_MAX_SHARED_BYTES
@@ -720,6 +727,192 @@ def section_layer(args, tree, mla, cache_utils, rocm):
     RESULTS["layer"] = report
 
 
+# ------------------------------------------------------------ indexer, einsum
+
+
+def _ref_logits(q, k, k_scale, w):
+    """float64 MQA logits. q [M,H,D] fp8, k [N,D] fp8, k_scale [N], w [M,H]."""
+    s = torch.einsum("mhd,nd->mhn", q.double(), k.double()).clamp_min(0)
+    return (s * w.double()[:, :, None]).sum(1) * k_scale.double()[None, :]
+
+
+def _logits_err(got, ref):
+    fin = torch.isfinite(ref)
+    pattern = bool(torch.equal(torch.isfinite(got), fin))
+    err = ((got.double()[fin] - ref[fin]).abs().max() / ref[fin].abs().max()).item()
+    return pattern, err
+
+
+def section_indexer(args, copy_bw, mm_tflops):
+    """The sparse indexer's logits at DeepSeek V4's shapes (64 heads, D=128,
+    C4 indexer cache pages of 64): correctness against float64, then speed."""
+    idx = load(args.tree, INDEXER, "sm12x_indexer")
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    dev, fp8 = "cuda", torch.float8_e4m3fn
+    H, D, PBS = 64, 128, 64
+    checks, perf = [], []
+
+    # Prefill: 2 requests in one chunk, causal key ranges over gathered keys.
+    for M, N in ((512, 8192), (2048, 16384)):
+        q = torch.randn(M, H, D, device=dev, generator=gen).to(fp8)
+        k = torch.randn(N, D, device=dev, generator=gen).to(fp8)
+        ks_ = torch.rand(N, device=dev, generator=gen) + 0.5
+        w = torch.randn(M, H, device=dev, generator=gen) * 0.1
+        half, first = M // 2, N // 2
+        pos = torch.arange(M, device=dev)
+        ks = torch.where(pos < half, 0, first).int()
+        ke = torch.where(pos < half, first - half + pos + 1, N - M + pos + 1).int()
+        ke[5] = ks[5]  # an empty row
+        out = idx.fp8_mqa_logits(q, (k, ks_), w, ks, ke)
+        errs, ok = [], True
+        for m0 in range(0, M, 64):
+            ref = _ref_logits(q[m0:m0 + 64], k, ks_, w[m0:m0 + 64])
+            cols = torch.arange(N, device=dev)[None, :]
+            ref = ref.masked_fill((cols < ks[m0:m0 + 64, None]) | (cols >= ke[m0:m0 + 64, None]),
+                                  float("-inf"))
+            p, e = _logits_err(out[m0:m0 + 64], ref)
+            ok &= p
+            errs.append(e)
+        checks.append({"kind": "prefill", "M": M, "N": N, "pattern_ok": ok, "rel_err": max(errs)})
+        log(f"indexer prefill M={M} N={N}: -inf pattern {'OK' if ok else 'WRONG'}, "
+            f"rel err {max(errs):.2e}")
+        us = timed(lambda: idx.fp8_mqa_logits(q, (k, ks_), w, ks, ke), iters=20)
+        pairs = int((ke - ks).clamp_min(0).sum())
+        tflops = 2 * pairs * H * D / us / 1e6
+        perf.append({"kind": "prefill", "M": M, "N": N, "us": us, "pairs": pairs,
+                     "TFLOPs_useful": tflops})
+        log(f"indexer prefill perf M={M} N={N}: {us:.1f} us, {tflops:.0f} TFLOP/s useful "
+            f"({100 * tflops / mm_tflops:.0f}% of bf16 matmul)")
+
+    # Decode: paged cache, block table, lengths up to max_model_len.
+    for B, next_n, max_len in ((1, 1, 32768), (64, 1, 32768), (16, 2, 65536), (256, 1, 8192)):
+        max_blocks = max_len // PBS
+        pages = B * max_blocks + 7
+        stride = PBS * (D + 4) + 64  # padded pages (the kernel must use stride(0))
+        raw = torch.randint(0, 256, (pages * stride,), device=dev, dtype=torch.uint8,
+                            generator=gen)
+        cache = raw.as_strided((pages, PBS, 1, D + 4), (stride, D + 4, D + 4, 1))
+        vals = torch.randn(pages, PBS, D, device=dev, generator=gen).to(fp8)
+        scl = torch.rand(pages, PBS, device=dev, generator=gen) + 0.5
+        pg = raw.view(pages, stride)
+        pg[:, :PBS * D] = vals.view(torch.uint8).view(pages, PBS * D)
+        pg[:, PBS * D:PBS * (D + 4)] = scl.view(torch.uint8).view(pages, PBS * 4)
+        bt = torch.randperm(pages, device=dev, generator=gen)[:B * max_blocks].view(
+            B, max_blocks).int()
+        lens = torch.randint(1, max_len + 1, (B,), device=dev, generator=gen).int()
+        lens[0] = max_len
+        if B > 2:
+            lens[1] = 0
+        ctx = (torch.stack([lens - 1, lens], 1).clamp_min(0).int() if next_n == 2
+               else lens.view(B, 1))
+        q = torch.randn(B, next_n, H, D, device=dev, generator=gen).to(fp8)
+        w = torch.randn(B * next_n, H, device=dev, generator=gen) * 0.1
+        out = idx.fp8_paged_mqa_logits(q, cache, w, ctx, bt, max_len)
+        ok, errs = True, []
+        for b in range(min(B, 8)):
+            keys = vals.view(torch.uint8)[bt[b].long()].reshape(-1, D).view(fp8)
+            ksc = scl[bt[b].long()].reshape(-1)
+            for j in range(next_n):
+                row = b * next_n + j
+                lim = int(ctx[b, j])
+                ref = _ref_logits(q[b, j][None], keys, ksc, w[row][None])[0]
+                ref[lim:] = float("-inf")
+                n = min(-(-lim // PBS) * PBS, max_len)
+                if n == 0:
+                    continue
+                p, e = _logits_err(out[row, :n], ref[:n])
+                ok &= p
+                errs.append(e)
+        checks.append({"kind": "decode", "B": B, "next_n": next_n, "max_len": max_len,
+                       "pattern_ok": ok, "rel_err": max(errs)})
+        log(f"indexer decode B={B} next_n={next_n} max_len={max_len}: "
+            f"-inf pattern {'OK' if ok else 'WRONG'}, rel err {max(errs):.2e}")
+        full = torch.full_like(ctx, max_len)
+        us = timed(lambda: idx.fp8_paged_mqa_logits(q, cache, w, full, bt, max_len), iters=20)
+        # Must move: each request's keys once (132 B each), the fp32 logits out.
+        nbytes = B * max_len * (D + 4) + B * next_n * max_len * 4
+        bw = nbytes / us / 1e3
+        perf.append({"kind": "decode", "B": B, "next_n": next_n, "keys": max_len, "us": us,
+                     "bytes": nbytes, "GBps": bw, "frac_copy_bw": bw / copy_bw})
+        log(f"indexer decode perf B={B} next_n={next_n} keys={max_len}: {us:.1f} us, "
+            f"{nbytes / 1e6:.1f} MB, {bw:.0f} GB/s = {100 * bw / copy_bw:.0f}% of copy")
+        del raw, cache, vals, scl, pg
+    RESULTS["indexer"] = {"checks": checks, "perf": perf,
+                          # fp8 tensor-core sums are not exact fp32 on Hopper
+                          "all_ok": all(c["pattern_ok"] and c["rel_err"] < 1e-3
+                                        for c in checks)}
+
+
+def section_einsum(args, copy_bw, mm_tflops):
+    """The output projection's fp8 einsum 'bhr,hdr->bhd' with 128x128 weight
+    blocks and per-token 1x128 activation scales (DeepSeek V4: o_lora_rank
+    1024, 8 heads x 512 per group)."""
+    ein = load(args.tree, EINSUM, "sm12x_einsum")
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    dev, fp8 = "cuda", torch.float8_e4m3fn
+    D, R = 1024, 4096
+    checks, perf = [], []
+    for G in (16, 2):
+        w = torch.randn(G, D, R, device=dev, generator=gen) * 0.02
+        wb = w.view(G, D // 128, 128, R // 128, 128)
+        wsc = torch.exp2(torch.ceil(torch.log2(wb.abs().amax((2, 4), keepdim=True) / 448)))
+        wq = (wb / wsc).to(fp8).view(G, D, R)
+        wsc = wsc.view(G, D // 128, R // 128)
+        w_deq = wq.double() * wsc.repeat_interleave(128, 1).repeat_interleave(128, 2).double()
+        for T in (1, 16, 64, 256, 2048):
+            x = torch.randn(G, T, R, device=dev, generator=gen) * 2
+            xb = x.view(G, T, R // 128, 128)
+            xs = torch.exp2(torch.ceil(torch.log2(xb.abs().amax(-1, keepdim=True) / 448)))
+            a = (xb / xs).to(fp8).view(G, T, R).transpose(0, 1)
+            a_scale = xs.view(G, T, R // 128).transpose(0, 1)
+            out = torch.full((T, G, D), float("nan"), device=dev, dtype=torch.bfloat16)
+            ein.fp8_einsum_bhr_hdr(a, a_scale, wq, wsc, out)
+            a_deq = (a.double() * a_scale.double().repeat_interleave(128, 2))
+            ref = torch.einsum("bhr,hdr->bhd", a_deq, w_deq)
+            err = rel_err(out, ref)
+            finite = bool(torch.isfinite(out).all())
+            checks.append({"G": G, "T": T, "rel_err": err, "all_written": finite})
+            us = timed(lambda: ein.fp8_einsum_bhr_hdr(a, a_scale, wq, wsc, out), iters=20)
+            wbf = w_deq.bfloat16()
+            abf = a_deq.bfloat16()
+            us_bf16 = timed(lambda: torch.einsum("bhr,hdr->bhd", abf, wbf), iters=20)
+            flops = 2 * T * G * D * R
+            nbytes = G * D * R + T * G * R + T * G * D * 2
+            perf.append({"G": G, "T": T, "us": us, "TFLOPs": flops / us / 1e6,
+                         "GBps": nbytes / us / 1e3, "bf16_einsum_us": us_bf16})
+            log(f"einsum G={G} T={T}: rel err {err:.2e}, written {finite}; {us:.1f} us "
+                f"({flops / us / 1e6:.0f} TFLOP/s, {nbytes / us / 1e3:.0f} GB/s = "
+                f"{100 * nbytes / us / 1e3 / copy_bw:.0f}% of copy); bf16 einsum on "
+                f"pre-dequantized weights {us_bf16:.1f} us")
+        wq_last, wsc_last = wq, wsc
+        del w, w_deq
+    # Wiring: the patched layer file's custom-op body, parsed out and run with
+    # the gate on and DeepGEMM's fp8_einsum replaced by a function that raises.
+    src = (args.tree / LAYER).read_text()
+    fn = next(n for n in ast.parse(src).body
+              if isinstance(n, ast.FunctionDef) and n.name == "deepseek_v4_fp8_einsum")
+    mod = ast.Module(body=[fn], type_ignores=[])
+    pkg = "vllm.v1.attention.ops.sm12x_sparse_mla"
+    _stub(pkg)
+    sys.modules[f"{pkg}.einsum"] = ein
+
+    def _no_deepgemm(*a, **k):
+        raise AssertionError("DeepGEMM fp8_einsum called with the fallback on")
+
+    ns = {"torch": torch, "use_triton_sparse_mla": lambda: True, "fp8_einsum": _no_deepgemm}
+    exec(compile(mod, str(args.tree / LAYER), "exec"), ns)
+    out2 = torch.full_like(out, float("nan"))
+    ns["deepseek_v4_fp8_einsum"](a, a_scale, wq_last, wsc_last, out2,
+                                  "bhr,hdr->bhd", [1, 1, 128])
+    ein.fp8_einsum_bhr_hdr(a, a_scale, wq_last, wsc_last, out)
+    wiring = bool(torch.equal(out, out2))
+    log(f"einsum wiring (patched deepseek_v4_fp8_einsum -> Triton): {'OK' if wiring else 'WRONG'}")
+    RESULTS["einsum_wiring_ok"] = wiring
+    RESULTS["einsum"] = {"checks": checks, "perf": perf,
+                         "all_ok": all(c["rel_err"] < 1e-2 and c["all_written"]
+                                       for c in checks)}
+
+
 # ------------------------------------------------------------------ main
 
 
@@ -759,6 +952,10 @@ def main():
                                               env.get("copy_bw_GBps", 4000.0)),
         "reference": lambda: section_reference(args, mla, cache_utils, rocm),
         "prefill": lambda: section_prefill(args, mla, env.get("bf16_matmul_TFLOPs", 790.0)),
+        "indexer": lambda: section_indexer(args, env.get("copy_bw_GBps", 4000.0),
+                                           env.get("bf16_matmul_TFLOPs", 790.0)),
+        "einsum": lambda: section_einsum(args, env.get("copy_bw_GBps", 4000.0),
+                                         env.get("bf16_matmul_TFLOPs", 790.0)),
     }
     for name in sections:
         run(name, steps[name])
