@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Reproduce docs/gpu-validation.md: the selftest comparison (pristine vLLM 0.21.0 against
+# the patched tree) and the two cumem benchmarks, on one CUDA GPU.
+#
+#   scripts/gpu-validation.sh prepare DIR       # where the tool can fetch (network, cache)
+#   scripts/gpu-validation.sh run DIR OUT       # on the GPU host; needs no network
+#   scripts/gpu-validation.sh followup DIR OUT  # then: scenario 1 again, the wake bench,
+#                                               # the first sleep with 64 register threads
+#
+# prepare: the pinned tree (sm12x-bundle fetch) and the patched tree (sm12x-bundle apply),
+# each cut down to what the selftest uses (csrc/cumem_allocator*, and the vllm packages
+# that cumem.py imports: about 3 MB instead of 31 MB), a pyzmq wheel for Python 3.12 (the
+# one package of FIELD-NOTES' list that the GPU image lacks), and this Python's headers
+# (used on the GPU host only when its Python has none: the extension uses the stable ABI).
+# run: installs the wheel when pyzmq is missing, then writes into OUT: env.txt,
+# selftest.json (+ selftest-work.tar: each scenario's own JSON), free-bench.json,
+# first-sleep.json and run.log (everything printed).
+# Each stage has a time limit so that one slow stage cannot starve the others.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+SLICE_DIRS="vllm/utils vllm/platforms vllm/distributed vllm/logging_utils vllm/ray vllm/third_party vllm/plugins vllm/device_allocator"
+SLICE_FILES="vllm/v1/__init__.py vllm/v1/attention/__init__.py vllm/v1/attention/backends/__init__.py vllm/v1/attention/backends/registry.py csrc/cumem_allocator.cpp csrc/cumem_allocator_compat.h"
+
+slice_tree() {  # slice_tree SRC DEST
+  rm -rf "$2" && mkdir -p "$2"
+  (cd "$1" && { ls vllm/*.py; find $SLICE_DIRS -name '*.py'; printf '%s\n' $SLICE_FILES; } | tar -cf - -T -) | tar -xf - -C "$2"
+}
+
+prepare() {
+  local dir=$1
+  set -e
+  mkdir -p "$dir"
+  local pinned patched
+  pinned=$(sm12x-bundle fetch -q)
+  patched=$(mktemp -d)/vllm-patched
+  sm12x-bundle apply -q --out "$patched"
+  slice_tree "$pinned" "$dir/pristine"
+  slice_tree "$patched" "$dir/patched"
+  rm -rf "$(dirname "$patched")"
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d "$dir/whl" pyzmq==27.3.0
+  rm -rf "$dir/python-include"
+  cp -r "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')" "$dir/python-include"
+  du -sh "$dir"
+}
+
+setup() {  # setup DIR OUT LOG: pyzmq when missing, our package, Python.h; sets include
+  local dir=$1 out=$2
+  mkdir -p "$out"
+  exec > >(tee "$out/$3") 2>&1
+  export PYTHONUNBUFFERED=1
+  if ! python3 -c 'import zmq' 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/selftest-site "$dir"/whl/*.whl
+    export PYTHONPATH=/tmp/selftest-site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+  include=()
+  python3 -c 'import os, sys, sysconfig; sys.exit(not os.path.isfile(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+    || include=(--python-include "$dir/python-include")
+  {
+    date -u +%Y-%m-%dT%H:%M:%SZ
+    nvidia-smi --query-gpu=name,driver_version,memory.total,memory.free --format=csv
+    python3 -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)'
+    g++ --version | head -1
+    nproc; free -g | head -2
+  } | tee "$out/env.txt"
+}
+
+run() {
+  local dir=$1 out=$2
+  setup "$dir" "$out" run.log
+
+  echo "== selftest --compare (pristine against patched)"
+  timeout 330 python3 -m sm12x_bundle selftest --compare "$dir/pristine" "$dir/patched" "${include[@]}" \
+    --timeout 200 --work /tmp/selftest-work --json-out "$out/selftest.json"
+  echo "selftest exit code: $?"
+  tar -cf "$out/selftest-work.tar" -C /tmp selftest-work 2>/dev/null
+
+  echo "== bench/cumem_free_bench.py (pool sweep of 2,000 segments)"
+  timeout 120 python3 bench/cumem_free_bench.py "$dir/pristine" "$dir/patched" --rounds 2 --reps 5 \
+    "${include[@]}" --json-out "$out/free-bench.json"
+  echo "free bench exit code: $?"
+
+  echo "== bench/cumem_first_sleep_bench.py (the first sleep, by pinned-memory setting)"
+  timeout 100 python3 bench/cumem_first_sleep_bench.py "$dir/patched" --size-gib 8 \
+    --conf '' --conf 'pinned_use_cuda_host_register:True,pinned_num_register_threads:16' \
+    "${include[@]}" --json-out "$out/first-sleep.json"
+  echo "first-sleep bench exit code: $?"
+}
+
+followup() {
+  local dir=$1 out=$2
+  setup "$dir" "$out" followup.log
+
+  echo "== selftest --compare --scenario inflight-free (where each tree's fault surfaces)"
+  timeout 120 python3 -m sm12x_bundle selftest --compare "$dir/pristine" "$dir/patched" "${include[@]}" \
+    --scenario inflight-free --timeout 100 --work /tmp/selftest-work --json-out "$out/inflight.json"
+  echo "selftest exit code: $?"
+
+  echo "== bench/cumem_wake_bench.py (where wake_up's time goes)"
+  timeout 120 python3 bench/cumem_wake_bench.py "$dir/patched" --size-gib 8 "${include[@]}" \
+    --json-out "$out/wake-bench.json"
+  echo "wake bench exit code: $?"
+
+  echo "== bench/cumem_first_sleep_bench.py (default, 64 register threads)"
+  timeout 100 python3 bench/cumem_first_sleep_bench.py "$dir/patched" --size-gib 8 \
+    --conf '' --conf 'pinned_use_cuda_host_register:True,pinned_num_register_threads:64' \
+    "${include[@]}" --json-out "$out/first-sleep-64.json"
+  echo "first-sleep bench exit code: $?"
+}
+
+case "${1:-}" in
+  prepare) prepare "${2:?DIR}" ;;
+  run) run "${2:?DIR}" "${3:?OUT}" ;;
+  followup) followup "${2:?DIR}" "${3:?OUT}" ;;
+  *) echo "usage: $0 prepare DIR | run DIR OUT | followup DIR OUT" >&2; exit 2 ;;
+esac
