@@ -1,3 +1,658 @@
-"""(placeholder: being written)"""
+"""The bundle image: the base vLLM image with the series applied, one image per release.
 
-COMMANDS: dict = {}
+Plan first, then execute. :func:`inspect_base` asks the engine about the base (its
+vLLM install root, versions, and the pre-image of every file the series changes) and
+:func:`check_skew` refuses a base that is not the pinned release, before anything is
+built. :func:`plan_bundle` turns the config, the series and that answer into a
+:class:`BundlePlan` without touching an engine; :func:`builder_context` and
+:func:`bundle_context` render the two build contexts from it (``--dry-run`` prints
+them). :func:`build_bundle` builds them (the cumem extension alone in
+docker/Dockerfile.builder, then docker/Dockerfile.bundle) and :func:`verify_bundle`
+checks the result in a container with no network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import calendar
+import dataclasses
+import hashlib
+import json
+import os
+import posixpath
+import re
+import shlex
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from .. import native
+from ..config import ImageConfig
+from ..context import Context
+from ..engine import OFFICIAL_VLLM_ROOT, Engine, docker_engine, probe_vllm
+from ..errors import ConfigError, SeriesError, VerifyError
+from ..fsutil import replace_dir
+from ..progress import Progress
+from ..series.apply import FileText
+from ..series.patch import Series
+from ..source.pin import SourceTree
+from .overlay import content_hash  # one definition for overlays and the image
+from .tree import patched_files
+
+DOC_DIR = "/usr/share/doc/sm12x-bundle"
+OCI = "org.opencontainers.image."
+PROJECT_LABEL = "org.sm12x-bundle.bundle"
+NATIVE_ARTIFACT = "vllm/" + native.ARTIFACT
+# Where Dockerfile.builder leaves the extension inside the builder image.
+BUILDER_OUT = "/sm12x-build/out/" + native.ARTIFACT
+# The tool's own modules the builder needs to run native.py's compiler line.
+_BUILDER_LIB = ("__init__.py", "native.py", "cmd.py", "errors.py")
+
+# A build context in memory: relative path -> (bytes, mode). None: made by the builder.
+ContextFiles = dict[str, tuple[bytes | None, int]]
+
+
+# --- the base image ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BaseImage:
+    """What the base image is and holds, as far as the bundle cares."""
+
+    name: str  # as configured: the tag an operator knows
+    ref: str  # what FROM uses: the id of the image that was checked
+    digest: str  # for org.opencontainers.image.base.digest
+    root: str  # the vLLM package folder inside it
+    versions: dict[str, str | None]
+    import_error: str | None  # None: `import vllm` works there
+    pre_images: dict[str, bytes | None]  # vllm/... path -> the base's bytes (None: absent)
+    labels: dict[str, str] = field(default_factory=dict)
+    bytecode: dict[str, list[str]] | None = None  # vllm/... path -> its .pyc; None: not asked
+
+
+def image_paths(series: Series) -> dict[str, tuple[str, ...]]:
+    """Every file the bundle installs (``vllm/...``) -> the ids of the patches behind it."""
+    out: dict[str, list[str]] = {}
+    for patch in series.patches:
+        if patch.kind == "native":
+            if patch.builds != NATIVE_ARTIFACT:
+                raise SeriesError(
+                    f"{patch.file}: Sm12x-Builds is {patch.builds!r}; only {NATIVE_ARTIFACT} "
+                    "can be rebuilt alone (see native.py)"
+                )
+            targets = [NATIVE_ARTIFACT]
+        else:
+            targets = [p for p in patch.paths if p.startswith("vllm/")]
+        for target in targets:
+            out.setdefault(target, []).append(patch.id)
+    return {path: tuple(ids) for path, ids in out.items()}
+
+
+def container_path(root: str, path: str) -> str:
+    """``vllm/x/y.py`` inside an image whose vLLM package folder is ``root``."""
+    return root.rstrip("/") + path[len("vllm") :]
+
+
+def _reference(cfg: ImageConfig) -> str:
+    """The base as the daemon should find it: by digest when the config pins one."""
+    if not cfg.base_digest:
+        return cfg.base
+    name = cfg.base.split("@", 1)[0]
+    if ":" in name.rsplit("/", 1)[-1]:
+        name = name.rsplit(":", 1)[0]
+    return f"{name}@{cfg.base_digest}"
+
+
+def inspect_base(engine: Engine, cfg: ImageConfig, paths: list[str]) -> BaseImage:
+    """Ask the engine about the base: no build, no network, the model never started."""
+    ref = _reference(cfg)
+    image_id = engine.image_id(ref)
+    probe = probe_vllm(engine, image_id, cfg.root, paths)
+    return BaseImage(
+        name=cfg.base,
+        ref=image_id,
+        digest=cfg.base_digest or image_id,
+        root=probe.root,
+        versions=probe.versions,
+        import_error=probe.import_error,
+        pre_images={path: probe.files.get(path) for path in paths},
+        labels=engine.image_labels(image_id),
+        bytecode={path: probe.bytecode.get(path, []) for path in paths},
+    )
+
+
+def pinned_base(cfg: ImageConfig, source: SourceTree, paths: list[str]) -> BaseImage:
+    """The base as the pinned tree describes it: for ``--dry-run``, which asks no daemon."""
+    root = cfg.root or OFFICIAL_VLLM_ROOT
+    return BaseImage(
+        name=cfg.base,
+        ref=_reference(cfg),
+        digest=cfg.base_digest or "(unresolved: a dry run asks no daemon)",
+        root=root,
+        versions={"vllm": source.version, "torch": None, "triton": None, "flashinfer": None, "deep_gemm": None},
+        import_error="not asked (dry run)",
+        pre_images={path: _read(source.root / path) for path in paths},
+    )
+
+
+def _read(path: Path) -> bytes | None:
+    return path.read_bytes() if path.is_file() else None
+
+
+def _sha(data: bytes | None) -> str | None:
+    return hashlib.sha256(data).hexdigest() if data is not None else None
+
+
+def check_skew(base: BaseImage, source: SourceTree, paths: list[str]) -> None:
+    """Refuse a base whose files differ from the pinned tree's: it is another release.
+
+    The extension has no copy in the sdist to compare with; its pre-image is recorded.
+    """
+    skewed = []
+    for path in sorted(p for p in paths if p != NATIVE_ARTIFACT):
+        pinned, found = _read(source.root / path), base.pre_images.get(path)
+        if pinned != found:
+            where = container_path(base.root, path)
+            skewed.append(
+                f"{where} ({'absent' if found is None else 'sha256 ' + _sha(found)[:12]} in the image, "
+                f"{'absent' if pinned is None else 'sha256 ' + _sha(pinned)[:12]} in vLLM {source.version}'s {path})"
+            )
+    if skewed:
+        says = base.versions.get("vllm")
+        raise VerifyError(
+            f"base image {base.name} is not vLLM {source.version} as pinned"
+            + (f" (it says vLLM {says})" if says else "")
+            + ": version skew in "
+            + "; ".join(skewed)
+            + ". Bundle a base of the pinned release, or pin the base's release."
+        )
+
+
+# --- the plan ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BundleFile:
+    path: str  # vllm/... inside the package
+    container_path: str
+    data: bytes | None  # None: the builder makes it
+    mode: int
+    patches: tuple[str, ...]
+    pre_image_sha256: str | None
+
+    @property
+    def sha256(self) -> str | None:
+        return _sha(self.data)
+
+
+@dataclass(frozen=True)
+class BuilderPlan:
+    """Dockerfile.builder's inputs: where the extension is built, and from what."""
+
+    base: str  # the image it is built in (the bundle's base, by id, unless configured)
+    sources: dict[str, bytes]  # csrc/... -> bytes: the patched source and its headers
+    setup: str | None = None  # shell line run before compiling
+    cuda_home: str = "/usr/local/cuda"
+
+
+@dataclass(frozen=True)
+class BundlePlan:
+    tag: str
+    base: BaseImage
+    files: tuple[BundleFile, ...]
+    builder: BuilderPlan | None  # None: no native patch, nothing to build
+    doc: dict[str, bytes]  # the series and each patch, by file name
+    labels: dict[str, str]
+    pin: dict[str, str | None]
+    series_sha256: str
+    created: int  # seconds since the epoch: SOURCE_DATE_EPOCH, else the newest Last-Update
+
+    def with_artifact(self, path: str, data: bytes) -> BundlePlan:
+        files = tuple(dataclasses.replace(f, data=data) if f.path == path else f for f in self.files)
+        return dataclasses.replace(self, files=files)
+
+
+def created_epoch(series: Series, env: Mapping[str, str]) -> int:
+    """SOURCE_DATE_EPOCH when set, else the newest Last-Update of the series: never the clock."""
+    if env.get("SOURCE_DATE_EPOCH"):
+        try:
+            return int(env["SOURCE_DATE_EPOCH"])
+        except ValueError:
+            raise ConfigError(f"SOURCE_DATE_EPOCH={env['SOURCE_DATE_EPOCH']!r} is not a number of seconds") from None
+    dates = [p.headers.get("Last-Update", "") for p in series.patches]
+    days = [time.strptime(d, "%Y-%m-%d") for d in dates if re.fullmatch(r"\d{4}-\d{2}-\d{2}", d)]
+    return calendar.timegm(max(days)) if days else 0
+
+
+def bundle_labels(
+    cfg: ImageConfig, series: Series, pin: Mapping[str, str | None], base: BaseImage, created: int
+) -> dict[str, str]:
+    """The image's labels: OCI ones of our own (never upstream's), and the project's."""
+    project = {"pin": dict(pin), "patches": list(series.ids), "series_sha256": series.sha256}
+    ours = {
+        OCI + "source": cfg.source_url,
+        OCI + "revision": cfg.revision or series.sha256,
+        OCI + "version": f"{pin['version']}+sm12x.{series.sha256[:12]}",
+        OCI + "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
+        OCI + "base.name": base.name,
+        OCI + "base.digest": base.digest,
+        OCI + "title": "sm12x-bundle",
+        OCI + "description": f"vLLM {pin['version']} with the sm12x-bundle series ({', '.join(series.ids)})",
+        PROJECT_LABEL: json.dumps(project, sort_keys=True, separators=(",", ":")),
+    }
+    # Any other OCI label the base carries would describe upstream's image: clear it.
+    cleared = {k: "" for k in base.labels if k.startswith(OCI) and k not in ours}
+    return dict(sorted({**cleared, **ours}.items()))
+
+
+def native_sources(changes: Mapping[str, FileText | None], source: SourceTree) -> dict[str, bytes]:
+    """The patched extension source and the local headers it includes, for the builder."""
+    out: dict[str, bytes] = {}
+    todo = [str(native.SOURCE)]
+    while todo:
+        path = todo.pop()
+        if path in out:
+            continue
+        text = changes.get(path)
+        data = text.to_bytes() if text is not None else _read(source.root / path)
+        if data is None:
+            raise SeriesError(f"{path} is missing from vLLM {source.version}: the extension cannot be built")
+        out[path] = data
+        for inc in re.findall(rb'^\s*#\s*include\s+"([^"]+)"', data, re.M):
+            todo.append(posixpath.normpath(posixpath.join(posixpath.dirname(path), inc.decode())))
+    return dict(sorted(out.items()))
+
+
+def plan_bundle(
+    cfg: ImageConfig,
+    series: Series,
+    source: SourceTree,
+    changes: Mapping[str, FileText | None],
+    base: BaseImage,
+    env: Mapping[str, str] | None = None,
+) -> BundlePlan:
+    """Everything the build will do, decided before anything runs."""
+    env = os.environ if env is None else env
+    files = []
+    for path, ids in sorted(image_paths(series).items()):
+        if path == NATIVE_ARTIFACT:
+            data, mode = None, 0o755
+        else:
+            text = changes.get(path)
+            if text is None:
+                raise SeriesError(f"{path}: the series deletes it; the bundle image cannot delete files")
+            data, mode = text.to_bytes(), text.mode
+        cp = container_path(base.root, path)
+        files.append(BundleFile(path, cp, data, mode, ids, _sha(base.pre_images.get(path))))
+    pin = {"version": source.version, "sha256": source.sha256}
+    created = created_epoch(series, env)
+    return BundlePlan(
+        tag=cfg.tag,
+        base=base,
+        files=tuple(files),
+        builder=BuilderPlan(
+            cfg.builder_base or base.ref, native_sources(changes, source), cfg.builder_setup, cfg.cuda_home
+        )
+        if NATIVE_ARTIFACT in image_paths(series)
+        else None,
+        doc={series.file.name: series.file.read_bytes(), **{p.file.name: p.text.encode() for p in series.patches}},
+        labels=bundle_labels(cfg, series, pin, base, created),
+        pin=pin,
+        series_sha256=series.sha256,
+        created=created,
+    )
+
+
+# --- rendering -----------------------------------------------------------------------
+
+
+def template(name: str) -> str:
+    """docker/<name>: packaged with the tool (_docker/), or in the checkout."""
+    packaged = resources.files("sm12x_bundle").joinpath(f"_docker/{name}")
+    if packaged.is_file():
+        return packaged.read_text("utf-8")
+    checkout = Path(__file__).resolve().parents[3] / "docker" / name
+    if checkout.is_file():
+        return checkout.read_text("utf-8")
+    raise ConfigError(f"docker/{name} not found: the tool is installed without its Dockerfiles")
+
+
+def fill(text: str, values: Mapping[str, str]) -> str:
+    """Replace every field written between @ signs; refuse a field without a value."""
+    missing = sorted(set(re.findall(r"@([A-Z_]+)@", text)) - set(values))
+    if missing:
+        raise ConfigError(f"Dockerfile template field(s) {', '.join(missing)} have no value")
+    return re.sub(r"@([A-Z_]+)@", lambda m: values[m.group(1)], text)
+
+
+def _quoted(value: str) -> str:
+    """A Dockerfile double-quoted word that stays exactly ``value`` (no $ expansion)."""
+    if "\n" in value:
+        raise ConfigError(f"a label value cannot hold a newline: {value!r}")
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$") + '"'
+
+
+def _continued(items: list[str]) -> str:
+    return " \\\n      ".join(items)
+
+
+def builder_dockerfile(builder: BuilderPlan) -> str:
+    setup = f"RUN {builder.setup}" if builder.setup else "# (no builder setup: the base has a compiler)"
+    return fill(
+        template("Dockerfile.builder"),
+        {"BUILDER_BASE": builder.base, "BUILDER_SETUP": setup, "CUDA_HOME": shlex.quote(builder.cuda_home)},
+    )
+
+
+def _drop_stale_bytecode(plan: BundlePlan) -> str:
+    """A RUN step only when the base holds bytecode of a patched module (each one costs)."""
+    if plan.base.bytecode is None:
+        return "# (decided when the base is inspected: a dry run does not look)"
+    stale = sorted(pyc for f in plan.files for pyc in plan.base.bytecode.get(f.path, ()))
+    if not stale:
+        return "# (no step: the base holds no bytecode of the patched modules)"
+    return "RUN rm -f " + _continued([shlex.quote(p) for p in stale])
+
+
+def bundle_dockerfile(plan: BundlePlan) -> str:
+    return fill(
+        template("Dockerfile.bundle"),
+        {
+            "BASE": plan.base.ref,
+            "BASE_NAME": plan.base.name,
+            "DOC_DIR": DOC_DIR,
+            "DROP_STALE_BYTECODE": _drop_stale_bytecode(plan),
+            "LABELS": _continued([f"{k}={_quoted(v)}" for k, v in plan.labels.items()]),
+        },
+    )
+
+
+def builder_context(builder: BuilderPlan) -> ContextFiles:
+    """Dockerfile, csrc/ (the patched extension source), lib/sm12x_bundle/ (native.py)."""
+    pkg = Path(native.__file__).parent
+    files: ContextFiles = {"Dockerfile": (builder_dockerfile(builder).encode(), 0o644)}
+    files.update({path: (data, 0o644) for path, data in builder.sources.items()})
+    files.update({f"lib/sm12x_bundle/{n}": ((pkg / n).read_bytes(), 0o644) for n in _BUILDER_LIB})
+    return files
+
+
+def manifest(plan: BundlePlan) -> dict:
+    """The overlay manifest's schema (docs/design.md), for the files the image replaces."""
+    files = sorted(plan.files, key=lambda f: f.container_path)
+    entries = [
+        {
+            "container_path": f.container_path,
+            "source": "files/" + f.container_path.lstrip("/"),
+            "pre_image_sha256": f.pre_image_sha256,
+            "sha256": f.sha256,
+            "patches": list(f.patches),
+            "mode": f"{f.mode:04o}",
+        }
+        for f in files
+    ]
+    return {
+        "schema": 1,
+        "target": plan.tag,
+        "image": plan.base.name,
+        "image_id": plan.base.ref,
+        "vllm_root": plan.base.root,
+        "versions": plan.base.versions,
+        "pin": plan.pin,
+        "series_sha256": plan.series_sha256,
+        "content_hash": content_hash(files),
+        "files": entries,
+    }
+
+
+def manifest_bytes(plan: BundlePlan) -> bytes:
+    return (json.dumps(manifest(plan), sort_keys=True, indent=2) + "\n").encode()
+
+
+def bundle_context(plan: BundlePlan) -> ContextFiles:
+    """Dockerfile and files/: the patched files and the doc folder at their paths in the image."""
+    doc = "files/" + DOC_DIR.lstrip("/")
+    files: ContextFiles = {"Dockerfile": (bundle_dockerfile(plan).encode(), 0o644)}
+    files.update({"files/" + f.container_path.lstrip("/"): (f.data, f.mode) for f in plan.files})
+    files.update({f"{doc}/{name}": (data, 0o644) for name, data in plan.doc.items()})
+    files[f"{doc}/manifest.json"] = (manifest_bytes(plan), 0o644)
+    return dict(sorted(files.items()))
+
+
+def write_context(files: ContextFiles, dest: Path, epoch: int) -> Path:
+    """Write a context atomically, every mtime set to ``epoch`` (COPY keeps mtimes)."""
+    with replace_dir(dest) as staging:
+        for rel, (data, mode) in files.items():
+            if data is None:
+                raise VerifyError(f"{rel} has no content yet: the builder has not made it")
+            path = staging / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+            path.chmod(mode)
+        for path in sorted(staging.rglob("*"), reverse=True):
+            if path.is_dir():
+                path.chmod(0o755)
+            os.utime(path, (epoch, epoch))
+        os.utime(staging, (epoch, epoch))
+    return dest
+
+
+def context_digest(files: ContextFiles) -> str:
+    h = hashlib.sha256()
+    for rel, (data, mode) in sorted(files.items()):
+        h.update(f"{rel}\0{mode:o}\0".encode() + (data or b"") + b"\0")
+    return h.hexdigest()
+
+
+def listing(files: ContextFiles) -> str:
+    """The context as `ls` would show what matters: mode, size, sha256, path."""
+    rows = []
+    for rel, (data, mode) in files.items():
+        if data is None:
+            rows.append(f"  {mode:04o} {'-':>9}  {'(built by Dockerfile.builder)':<16}  {rel}")
+        else:
+            rows.append(f"  {mode:04o} {len(data):>9}  {_sha(data)[:16]:<16}  {rel}")
+    return "\n".join(rows)
+
+
+# --- execution -----------------------------------------------------------------------
+
+
+def build_cumem(engine: Engine, builder: BuilderPlan, workdir: Path, progress: Progress) -> bytes:
+    """Build the cumem extension alone (Dockerfile.builder in ``builder.base``); return it.
+
+    The builder image is tagged by its context's digest, so the same sources on the same
+    base build once. Public so that overlays can build in a target image the same way.
+    """
+    files = builder_context(builder)
+    tag = f"sm12x-bundle-builder:{context_digest(files)[:16]}"
+    write_context(files, workdir, 0)
+    progress.say(f"building {native.ARTIFACT} alone in {builder.base} ({tag})")
+    engine.build(workdir, "Dockerfile", tag, {}, progress)
+    data = engine.read_files(tag, [BUILDER_OUT])[BUILDER_OUT]
+    if not data:
+        raise VerifyError(f"the builder image {tag} holds no {BUILDER_OUT}")
+    return data
+
+
+@dataclass(frozen=True)
+class BundleResult:
+    tag: str
+    image_id: str
+    plan: BundlePlan
+    checked: int  # files whose sha256 matched inside the image
+    compiled: int  # patched modules that compiled
+    imported: tuple[str, ...]  # patched modules that imported ('' when the base cannot import vLLM)
+    out: Path
+
+
+def plan_from_base(ctx: Context, cfg: ImageConfig, engine: Engine | None) -> BundlePlan:
+    """Inspect the base (or, with no engine, take the pinned tree's word) and plan."""
+    source = ctx.source()
+    _, changes = patched_files(ctx.series, source, ctx.config.check.fuzz)
+    paths = sorted(image_paths(ctx.series))
+    if engine is None:
+        base = pinned_base(cfg, source, paths)
+    else:
+        ctx.progress.say(f"inspecting the base image {cfg.base}")
+        base = inspect_base(engine, cfg, paths)
+        check_skew(base, source, paths)
+    return plan_bundle(cfg, ctx.series, source, changes, base)
+
+
+def build_bundle(ctx: Context, cfg: ImageConfig, engine: Engine, out: Path, push: bool = False) -> BundleResult:
+    """Check the base, build the extension, build the bundle, verify it, push it if asked."""
+    progress = ctx.progress
+    plan = plan_from_base(ctx, cfg, engine)
+    if plan.builder is not None:
+        data = build_cumem(engine, plan.builder, out / "builder", progress)
+        plan = plan.with_artifact(NATIVE_ARTIFACT, data)
+    write_context(bundle_context(plan), out / "bundle", plan.created)
+    progress.say(f"building {plan.tag} on {plan.base.name} ({plan.base.ref[:19]})")
+    image_id = engine.build(out / "bundle", "Dockerfile", plan.tag, {}, progress)
+    checked, compiled, imported = verify_bundle(engine, plan, plan.tag)
+    if push:
+        engine.push(plan.tag, progress)
+    return BundleResult(plan.tag, image_id, plan, checked, compiled, imported, out)
+
+
+_VERIFY = r"""
+import hashlib, importlib, json, os, py_compile, sys, tempfile
+doc, want = sys.argv[1], json.loads(sys.argv[2])
+def sha(path):
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as fh:
+        return hashlib.sha256(fh.read()).hexdigest()
+problems, compiled, imported = [], 0, []
+for name, digest in sorted(want["doc"].items()):
+    got = sha(os.path.join(doc, name))
+    if got != digest:
+        problems.append(f"{doc}/{name}: sha256 {got}, expected {digest}")
+with open(os.path.join(doc, "manifest.json")) as fh:
+    files = json.load(fh)["files"]
+tmp = tempfile.mkdtemp()
+for f in files:
+    path = f["container_path"]
+    got = sha(path)
+    if got != f["sha256"]:
+        problems.append(f"{path}: sha256 {got}, expected {f['sha256']}")
+        continue
+    mode = "%04o" % (os.stat(path).st_mode & 0o777)
+    if mode != f["mode"]:
+        problems.append(f"{path}: mode {mode}, expected {f['mode']}")
+    if path.endswith(".py"):
+        try:
+            py_compile.compile(path, cfile=os.path.join(tmp, "check.pyc"), doraise=True)
+            compiled += 1
+        except py_compile.PyCompileError as exc:
+            problems.append(f"{path}: does not compile: {exc.msg}")
+for module in want["modules"]:
+    try:
+        importlib.import_module(module)
+        imported.append(module)
+    except BaseException as exc:
+        problems.append(f"import {module}: {type(exc).__name__}: {exc}")
+print("SM12X-VERIFY " + json.dumps({"problems": problems, "checked": len(files), "compiled": compiled, "imported": imported}))
+"""
+
+
+def module_name(root: str, path: str) -> str:
+    """The module a file under the vLLM package folder is imported as."""
+    rel = posixpath.relpath(path, posixpath.dirname(root))[: -len(".py")]
+    return rel.replace("/", ".").removesuffix(".__init__")
+
+
+def verify_bundle(engine: Engine, plan: BundlePlan, ref: str) -> tuple[int, int, tuple[str, ...]]:
+    """Run the built image with no network: hashes, modes, compile, import; then labels."""
+    modules = [module_name(plan.base.root, f.container_path) for f in plan.files if f.container_path.endswith(".py")]
+    docs = {name: _sha(data) for name, data in plan.doc.items()}
+    docs["manifest.json"] = _sha(manifest_bytes(plan))
+    want = {"doc": docs, "modules": modules if plan.base.import_error is None else []}
+    code, out = engine.run(ref, ["python3", "-c", _VERIFY, DOC_DIR, json.dumps(want)], timeout=600)
+    lines = [line for line in out.splitlines() if line.startswith("SM12X-VERIFY ")]
+    if code != 0 or not lines:
+        raise VerifyError(f"image {ref}: the check did not run (exit code {code}): {out.strip()[-500:]}")
+    result = json.loads(lines[-1].split(" ", 1)[1])
+    if result["problems"]:
+        raise VerifyError(f"image {ref} failed its check: " + "; ".join(result["problems"]))
+    labels = engine.image_labels(ref)
+    wrong = [k for k, v in plan.labels.items() if labels.get(k) != v]
+    if wrong:
+        raise VerifyError(f"image {ref}: label(s) {', '.join(wrong)} differ from the plan")
+    return result["checked"], result["compiled"], tuple(result["imported"])
+
+
+# --- the command ---------------------------------------------------------------------
+
+
+def _config(ctx: Context, args: argparse.Namespace) -> ImageConfig:
+    overrides = {
+        key: getattr(args, key)
+        for key in ("base", "base_digest", "root", "tag", "revision", "builder_base", "builder_setup")
+        if getattr(args, key, None) is not None
+    }
+    return dataclasses.replace(ctx.config.image, **overrides)
+
+
+def _dry_run(ctx: Context, cfg: ImageConfig, out: Path) -> int:
+    plan = plan_from_base(ctx, cfg, None)
+    if plan.builder is not None:
+        files = builder_context(plan.builder)
+        print(f"== {out / 'builder'}/Dockerfile (from docker/Dockerfile.builder)\n")
+        print(files["Dockerfile"][0].decode())
+        print(f"== build context {out / 'builder'}\n{listing(files)}\n")
+    files = bundle_context(plan)
+    print(f"== {out / 'bundle'}/Dockerfile (from docker/Dockerfile.bundle)\n")
+    print(files["Dockerfile"][0].decode())
+    print(f"== build context {out / 'bundle'}\n{listing(files)}")
+    print(
+        f"\n(dry run: no daemon asked; the base's vLLM root is taken as {plan.base.root} and its "
+        "files as the pinned tree's; a build reads both from the image and pins it by id)"
+    )
+    return 0
+
+
+def cmd_image(ctx: Context, args: argparse.Namespace) -> int:
+    cfg = _config(ctx, args)
+    out = Path(args.out) if args.out else ctx.config.resolve(ctx.config.output.dir) / "image"
+    if args.dry_run:
+        return _dry_run(ctx, cfg, out)
+    result = build_bundle(ctx, cfg, docker_engine(), out, push=args.push or cfg.push)
+    imports = (
+        f"imported {len(result.imported)}"
+        if result.plan.base.import_error is None
+        else f"import not checked (the base cannot import vLLM: {result.plan.base.import_error})"
+    )
+    print(
+        f"{result.tag} ({result.image_id[:19]}) built on {result.plan.base.name}: "
+        f"{result.checked} files match the manifest, {result.compiled} modules compile, {imports}"
+        + (f"; pushed {result.tag}" if args.push or cfg.push else "")
+    )
+    print(f"build contexts in {out}")
+    return 0
+
+
+def _image_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base", metavar="IMAGE", help="base vLLM image (default: image.base in the config)")
+    p.add_argument("--base-digest", metavar="SHA256", help="registry digest the base must have")
+    p.add_argument("--root", metavar="PATH", help="vLLM install root inside the base (default: ask its python3)")
+    p.add_argument("--tag", metavar="TAG", help="tag of the bundle image (default: image.tag)")
+    p.add_argument("--revision", metavar="REV", help="org.opencontainers.image.revision (default: the series sha256)")
+    p.add_argument("--builder-base", metavar="IMAGE", help="image the extension is built in (default: the base)")
+    p.add_argument("--builder-setup", metavar="SHELL", help="shell line run in the builder before compiling")
+    p.add_argument("--out", metavar="DIR", help="where the build contexts go (default: <output.dir>/image)")
+    p.add_argument("--push", action="store_true", help="push the tag after the check passes")
+    p.add_argument("--dry-run", action="store_true", help="print the Dockerfiles and build contexts; ask no daemon")
+
+
+COMMANDS = {
+    "image": (
+        "build the bundle image: the base vLLM image with the series applied, then check it",
+        "example: sm12x-bundle image --tag registry.example/sm12x-bundle:0.21.0 --push\n"
+        "         sm12x-bundle image --dry-run",
+        _image_args,
+        cmd_image,
+    ),
+}

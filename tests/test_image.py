@@ -1,0 +1,625 @@
+"""The bundle image: plan, render, labels, skew (a fake engine, no daemon), golden
+Dockerfiles, and real builds on stand-in images (marker docker, docker_support.py).
+
+Refresh the golden files with SM12X_UPDATE_GOLDEN=1 after an intended change, and
+review the diff.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+from docker_support import (  # noqa: F401  (fixtures)
+    daemon,
+    standin_base,
+    standin_novllm,
+    standin_official,
+    standin_opt,
+    standin_skew,
+)
+from patchkit import make_patch, write_series
+
+from sm12x_bundle import config as config_mod
+from sm12x_bundle.cli import main
+from sm12x_bundle.context import Context
+from sm12x_bundle.engine import OFFICIAL_VLLM_ROOT
+from sm12x_bundle.errors import CommandError, ConfigError, EngineError, SeriesError, VerifyError
+from sm12x_bundle.outputs import image
+from sm12x_bundle.outputs.tree import patched_files
+from sm12x_bundle.progress import Progress
+from sm12x_bundle.series.patch import load_series
+
+GOLDEN = Path(__file__).parent / "golden" / "image"
+UPDATE_GOLDEN = os.environ.get("SM12X_UPDATE_GOLDEN") == "1"
+EPOCH = {"SOURCE_DATE_EPOCH": "1790000000"}
+BASE_ID = "sha256:" + "b" * 64
+
+CUMEM_OLD = "".join(f"line {n}\n" for n in range(1, 12))
+CUMEM_NEW = CUMEM_OLD.replace("line 6\n", "line 6 (fixed)\n")
+CPP_OLD = '#include "cumem_allocator_compat.h"\n' + "".join(f"int v{n} = {n};\n" for n in range(10))
+CPP_NEW = CPP_OLD.replace("int v5 = 5;\n", "int v5 = 55;\n")
+COMPAT = "#pragma once\n#include <cuda.h>\n"
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# --- a small vLLM-shaped tree and series ----------------------------------------------
+
+
+@pytest.fixture
+def tree(tmp_path) -> Path:
+    root = tmp_path / "vllm-0.21.0"
+    files = {
+        "PKG-INFO": "Metadata-Version: 2.1\nName: vllm\nVersion: 0.21.0\n",
+        "vllm/__init__.py": "",
+        "vllm/device_allocator/cumem.py": CUMEM_OLD,
+        "csrc/cumem_allocator.cpp": CPP_OLD,
+        "csrc/cumem_allocator_compat.h": COMPAT,
+    }
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def native_headers(**extra: str) -> dict[str, str]:
+    return {"Sm12x_Kind": "native", "Sm12x_Builds": "vllm/cumem_allocator.abi3.so", **extra}
+
+
+@pytest.fixture
+def series_file(tmp_path) -> Path:
+    return write_series(
+        tmp_path / "patches",
+        {
+            "0001-cumem-fix.patch": make_patch(
+                {"vllm/device_allocator/cumem.py": (CUMEM_OLD, CUMEM_NEW)}, "cumem fix", Last_Update="2026-11-20"
+            ),
+            "0002-native-fix.patch": make_patch(
+                {"csrc/cumem_allocator.cpp": (CPP_OLD, CPP_NEW)}, "native fix", **native_headers()
+            ),
+        },
+    )
+
+
+@pytest.fixture
+def ctx(tmp_path, tree, series_file) -> Context:
+    text = (
+        f"pin:\n  version: '0.21.0'\n  source: {tree}\nseries: {series_file}\n"
+        "image:\n  base: example/vllm-openai:v0.21.0\n  tag: example/bundle:test\n"
+    )
+    return Context(config_mod.parse(text, "test.yaml", tmp_path), Progress.quiet())
+
+
+def fake_base(ctx: Context, **changes) -> image.BaseImage:
+    source = ctx.source()
+    paths = sorted(image.image_paths(ctx.series))
+    base = image.pinned_base(ctx.config.image, source, paths)
+    fields = {"ref": BASE_ID, "digest": BASE_ID, "import_error": "ModuleNotFoundError: torch", "bytecode": {}}
+    return dataclasses.replace(base, **{**fields, **changes})
+
+
+def make_plan(ctx: Context, env=EPOCH, **base_changes) -> image.BundlePlan:
+    source = ctx.source()
+    _, changes = patched_files(ctx.series, source)
+    return image.plan_bundle(ctx.config.image, ctx.series, source, changes, fake_base(ctx, **base_changes), env)
+
+
+# --- a fake engine ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class FakeImage:
+    id: str
+    files: dict[str, bytes]
+    labels: dict[str, str] = dataclasses.field(default_factory=dict)
+    root: str | None = OFFICIAL_VLLM_ROOT
+    problems: list[str] = dataclasses.field(default_factory=list)
+
+
+def dockerfile_labels(text: str) -> dict[str, str]:
+    """LABEL as the classic builder reads it: continuation lines joined; in double quotes
+    a backslash escapes the next character (checked against a real daemon)."""
+    joined = text.replace("\\\n", " ")
+    line = next(line for line in joined.splitlines() if line.startswith("LABEL "))
+    pairs = re.findall(r'(\S+?)="((?:[^"\\]|\\.)*)"', line[len("LABEL ") :])
+    return {key: re.sub(r"\\(.)", r"\1", value) for key, value in pairs}
+
+
+class FakeEngine:
+    """Images in memory; build() understands the two rendered Dockerfiles."""
+
+    def __init__(self, images: dict[str, FakeImage]):
+        self.images = images
+        self.calls: list[tuple] = []
+
+    def _get(self, ref: str) -> FakeImage:
+        for key, img in self.images.items():
+            if ref in (key, img.id):
+                return img
+        raise EngineError(f"image {ref} not found")
+
+    def ping(self) -> None:
+        self.calls.append(("ping",))
+
+    def image_id(self, ref):
+        return self._get(ref).id
+
+    def image_labels(self, ref):
+        return dict(self._get(ref).labels)
+
+    def read_files(self, ref, paths):
+        self.calls.append(("read_files", ref, tuple(paths)))
+        img = self._get(ref)
+        return {p: img.files.get(p) for p in paths}
+
+    def run(self, ref, argv, *, mounts=(), env=None, network=False, timeout=600):
+        self.calls.append(("run", ref, argv[2][:40]))
+        assert not network
+        img = self._get(ref)
+        if "SM12X-PROBE" in argv[2]:
+            root = argv[3] or img.root
+            wanted = json.loads(argv[4])
+            files = {p: _b64(img.files.get(root + p[4:])) if root else None for p in wanted}
+            answer = {"root": root or "", "found": [], "versions": {"vllm": "0.21.0"},
+                      "import_error": "ModuleNotFoundError: No module named 'torch'",
+                      "files": files, "bytecode": {p: [] for p in wanted}}
+            return 0, "SM12X-PROBE " + json.dumps(answer) + "\n"
+        manifest = json.loads(img.files[image.DOC_DIR + "/manifest.json"])
+        answer = {"problems": img.problems, "checked": len(manifest["files"]), "compiled": 1, "imported": []}
+        return 0, "SM12X-VERIFY " + json.dumps(answer) + "\n"
+
+    def build(self, context, dockerfile, tag, buildargs, progress):
+        text = (context / dockerfile).read_text()
+        self.calls.append(("build", tag, text))
+        base = self._get(next(line.split()[1] for line in text.splitlines() if line.startswith("FROM ")))
+        files = dict(base.files)
+        labels = dict(base.labels)
+        if "build_cumem_extension" in text:
+            files[image.BUILDER_OUT] = b"\x7fELF fake extension of " + (context / "csrc/cumem_allocator.cpp").read_bytes()
+        else:
+            for path in (context / "files").rglob("*"):
+                if path.is_file():
+                    files["/" + str(path.relative_to(context / "files"))] = path.read_bytes()
+            labels.update(dockerfile_labels(text))
+        new = FakeImage("sha256:" + sha(repr(sorted(files.items())).encode()), files, labels, base.root)
+        self.images[tag] = new
+        return new.id
+
+    def push(self, ref, progress):
+        self.calls.append(("push", ref))
+
+
+def _b64(data):
+    import base64
+
+    return None if data is None else base64.b64encode(data).decode()
+
+
+@pytest.fixture
+def engine(tree) -> FakeEngine:
+    files = {
+        OFFICIAL_VLLM_ROOT + "/" + str(p.relative_to(tree / "vllm")): p.read_bytes()
+        for p in (tree / "vllm").rglob("*")
+        if p.is_file()
+    }
+    labels = {"org.opencontainers.image.vendor": "upstream", "maintainer": "upstream"}
+    return FakeEngine({"example/vllm-openai:v0.21.0": FakeImage(BASE_ID, files, labels)})
+
+
+# --- the plan ---------------------------------------------------------------------------
+
+
+def test_image_paths_map_patches_to_installed_files(ctx):
+    assert image.image_paths(ctx.series) == {
+        "vllm/cumem_allocator.abi3.so": ("native-fix",),
+        "vllm/device_allocator/cumem.py": ("cumem-fix",),
+    }
+
+
+def test_a_native_patch_must_build_the_cumem_extension(tmp_path):
+    bad = make_patch({"csrc/x.cpp": ("a\n", "b\n")}, "x", Sm12x_Kind="native", Sm12x_Builds="vllm/other.so")
+    series = load_series(write_series(tmp_path / "p", {"0001-x.patch": bad}))
+    with pytest.raises(SeriesError, match="only vllm/cumem_allocator.abi3.so"):
+        image.image_paths(series)
+
+
+def test_the_shipped_series_maps_into_the_image(series):
+    paths = image.image_paths(series)
+    assert paths["vllm/device_allocator/cumem.py"][0] == "cumem-stream-aware-free"
+    assert paths["vllm/cumem_allocator.abi3.so"] == ("cumem-error-code-reset",)
+    assert all(p.startswith("vllm/") for p in paths)
+
+
+def test_container_path():
+    assert image.container_path("/opt/vllm/vllm", "vllm/a/b.py") == "/opt/vllm/vllm/a/b.py"
+    assert image.container_path("/opt/vllm/vllm/", "vllm/x.so") == "/opt/vllm/vllm/x.so"
+
+
+def test_plan_holds_patched_bytes_pre_images_and_builder_inputs(ctx):
+    plan = make_plan(ctx)
+    cumem, so = sorted(plan.files, key=lambda f: f.path, reverse=True)
+    assert cumem.container_path == OFFICIAL_VLLM_ROOT + "/device_allocator/cumem.py"
+    assert cumem.data == CUMEM_NEW.encode() and cumem.patches == ("cumem-fix",)
+    assert cumem.pre_image_sha256 == sha(CUMEM_OLD.encode())
+    assert so.data is None and so.pre_image_sha256 is None and so.mode == 0o755
+    assert plan.builder.base == BASE_ID
+    assert plan.builder.sources == {
+        "csrc/cumem_allocator.cpp": CPP_NEW.encode(),
+        "csrc/cumem_allocator_compat.h": COMPAT.encode(),
+    }
+
+
+def test_no_native_patch_no_builder(tmp_path, tree):
+    series = write_series(tmp_path / "only-py", {
+        "0001-cumem-fix.patch": make_patch({"vllm/device_allocator/cumem.py": (CUMEM_OLD, CUMEM_NEW)}),
+    })
+    text = f"pin:\n  version: '0.21.0'\n  source: {tree}\nseries: {series}\n"
+    plan = make_plan(Context(config_mod.parse(text, "t.yaml", tmp_path), Progress.quiet()))
+    assert plan.builder is None and [f.path for f in plan.files] == ["vllm/device_allocator/cumem.py"]
+
+
+def test_labels(ctx):
+    plan = make_plan(ctx, labels={"org.opencontainers.image.vendor": "upstream", "maintainer": "x"})
+    s = ctx.series.sha256
+    assert plan.labels == {
+        "org.opencontainers.image.base.digest": BASE_ID,
+        "org.opencontainers.image.base.name": "example/vllm-openai:v0.21.0",
+        "org.opencontainers.image.created": "2026-09-21T14:13:20Z",
+        "org.opencontainers.image.description": "vLLM 0.21.0 with the sm12x-bundle series (cumem-fix, native-fix)",
+        "org.opencontainers.image.revision": s,
+        "org.opencontainers.image.source": "https://example.invalid/sm12x-bundle",
+        "org.opencontainers.image.title": "sm12x-bundle",
+        # upstream's OCI label is cleared, other labels are left alone
+        "org.opencontainers.image.vendor": "",
+        "org.opencontainers.image.version": f"0.21.0+sm12x.{s[:12]}",
+        "org.sm12x-bundle.bundle": json.dumps(
+            {"patches": ["cumem-fix", "native-fix"], "pin": {"sha256": None, "version": "0.21.0"},
+             "series_sha256": s}, sort_keys=True, separators=(",", ":")),
+    }
+
+
+def test_created_comes_from_source_date_epoch_else_the_series_never_the_clock(ctx, monkeypatch):
+    assert image.created_epoch(ctx.series, EPOCH) == 1790000000
+    # without SOURCE_DATE_EPOCH: the newest Last-Update (2026-11-21 of patch 0002)
+    monkeypatch.setattr(image.time, "time", lambda: 0.0)
+    assert image.created_epoch(ctx.series, {}) == 1795219200
+    with pytest.raises(ConfigError, match="SOURCE_DATE_EPOCH"):
+        image.created_epoch(ctx.series, {"SOURCE_DATE_EPOCH": "yesterday"})
+
+
+def test_same_inputs_same_plan_context_and_labels(ctx):
+    a, b = make_plan(ctx), make_plan(ctx)
+    assert a.labels == b.labels
+    assert image.context_digest(image.bundle_context(a)) == image.context_digest(image.bundle_context(b))
+    assert image.context_digest(image.builder_context(a.builder)) == image.context_digest(
+        image.builder_context(b.builder)
+    )
+
+
+# --- version skew ------------------------------------------------------------------------
+
+
+def test_skew_is_refused_naming_the_file(ctx):
+    source = ctx.source()
+    paths = sorted(image.image_paths(ctx.series))
+    image.check_skew(fake_base(ctx), source, paths)
+    other = fake_base(ctx, pre_images={"vllm/device_allocator/cumem.py": b"0.26.0's cumem.py\n"},
+                      versions={"vllm": "0.26.0"})
+    with pytest.raises(VerifyError) as err:
+        image.check_skew(other, source, paths)
+    msg = str(err.value)
+    assert "version skew" in msg and "it says vLLM 0.26.0" in msg
+    assert OFFICIAL_VLLM_ROOT + "/device_allocator/cumem.py" in msg
+    missing = fake_base(ctx, pre_images={"vllm/device_allocator/cumem.py": None})
+    with pytest.raises(VerifyError, match="absent in the image"):
+        image.check_skew(missing, source, paths)
+
+
+# --- rendering ---------------------------------------------------------------------------
+
+
+def test_golden_dockerfiles(ctx):
+    plan = make_plan(ctx, bytecode={"vllm/device_allocator/cumem.py": [
+        OFFICIAL_VLLM_ROOT + "/device_allocator/__pycache__/cumem.cpython-312.pyc"]})
+    rendered = {
+        "Dockerfile.builder": image.builder_dockerfile(plan.builder),
+        "Dockerfile.bundle": image.bundle_dockerfile(plan),
+    }
+    for name, text in rendered.items():
+        path = GOLDEN / name
+        if UPDATE_GOLDEN:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        assert path.is_file(), f"{path} missing: run with SM12X_UPDATE_GOLDEN=1"
+        assert text == path.read_text(), f"{name} differs from the golden file (SM12X_UPDATE_GOLDEN=1 refreshes it)"
+
+
+def test_classic_builder_syntax_only(ctx):
+    plan = make_plan(ctx)
+    for text in (image.builder_dockerfile(plan.builder), image.bundle_dockerfile(plan)):
+        assert not text.startswith("# syntax")
+        steps = [line for line in text.splitlines() if line and not line.startswith("#")]
+        assert not [line for line in steps if "--mount" in line or "<<" in line]
+
+
+def test_no_bytecode_step_when_the_base_has_none(ctx):
+    assert "RUN rm" not in image.bundle_dockerfile(make_plan(ctx))
+    assert "RUN rm -f /x/__pycache__/cumem.cpython-312.pyc" in image.bundle_dockerfile(
+        make_plan(ctx, bytecode={"vllm/device_allocator/cumem.py": ["/x/__pycache__/cumem.cpython-312.pyc"]})
+    )
+
+
+def test_label_values_survive_dockerfile_quoting(ctx):
+    nasty = 'a "quoted" $HOME \\ ${X} value'
+    cfg = dataclasses.replace(ctx.config.image, source_url=nasty)
+    source = ctx.source()
+    _, changes = patched_files(ctx.series, source)
+    plan = image.plan_bundle(cfg, ctx.series, source, changes, fake_base(ctx), EPOCH)
+    labels = dockerfile_labels(image.bundle_dockerfile(plan))
+    assert labels == plan.labels and labels["org.opencontainers.image.source"] == nasty
+    with pytest.raises(ConfigError, match="newline"):
+        image._quoted("two\nlines")
+
+
+def test_template_fields_must_all_be_filled():
+    assert image.fill("FROM @BASE@\n# user@example.com\n", {"BASE": "x"}) == "FROM x\n# user@example.com\n"
+    with pytest.raises(ConfigError, match="LABELS"):
+        image.fill("FROM @BASE@\nLABEL @LABELS@\n", {"BASE": "x"})
+
+
+def test_contexts_hold_only_what_the_build_needs(ctx):
+    plan = make_plan(ctx)
+    assert sorted(image.builder_context(plan.builder)) == [
+        "Dockerfile", "csrc/cumem_allocator.cpp", "csrc/cumem_allocator_compat.h",
+        "lib/sm12x_bundle/__init__.py", "lib/sm12x_bundle/cmd.py", "lib/sm12x_bundle/errors.py",
+        "lib/sm12x_bundle/native.py",
+    ]
+    doc = "files" + image.DOC_DIR
+    assert sorted(image.bundle_context(plan)) == sorted([
+        "Dockerfile",
+        f"{doc}/0001-cumem-fix.patch", f"{doc}/0002-native-fix.patch", f"{doc}/manifest.json", f"{doc}/series",
+        "files" + OFFICIAL_VLLM_ROOT + "/cumem_allocator.abi3.so",
+        "files" + OFFICIAL_VLLM_ROOT + "/device_allocator/cumem.py",
+    ])
+
+
+def test_manifest_schema(ctx):
+    plan = make_plan(ctx).with_artifact(image.NATIVE_ARTIFACT, b"\x7fELF")
+    m = json.loads(image.manifest_bytes(plan))
+    assert set(m) == {"schema", "target", "image", "image_id", "vllm_root", "versions", "pin",
+                      "series_sha256", "content_hash", "files"}
+    assert m["schema"] == 1 and m["image_id"] == BASE_ID and m["vllm_root"] == OFFICIAL_VLLM_ROOT
+    assert [f["container_path"] for f in m["files"]] == sorted(f["container_path"] for f in m["files"])
+    so = m["files"][0]
+    assert so == {
+        "container_path": OFFICIAL_VLLM_ROOT + "/cumem_allocator.abi3.so",
+        "source": "files" + OFFICIAL_VLLM_ROOT + "/cumem_allocator.abi3.so",
+        "pre_image_sha256": None, "sha256": sha(b"\x7fELF"), "patches": ["native-fix"], "mode": "0755",
+    }
+    assert len(m["content_hash"]) == 16
+
+
+def test_write_context_is_atomic_with_fixed_mtimes(ctx, tmp_path):
+    plan = make_plan(ctx).with_artifact(image.NATIVE_ARTIFACT, b"\x7fELF")
+    dest = image.write_context(image.bundle_context(plan), tmp_path / "bundle", plan.created)
+    so = dest / ("files" + OFFICIAL_VLLM_ROOT) / "cumem_allocator.abi3.so"
+    assert so.stat().st_mode & 0o777 == 0o755 and int(so.stat().st_mtime) == plan.created
+    with pytest.raises(VerifyError, match="no content yet"):
+        image.write_context(image.bundle_context(make_plan(ctx)), dest, 0)
+    assert so.read_bytes() == b"\x7fELF"  # the failed write left the old context
+
+
+# --- the command, with a fake engine ---------------------------------------------------
+
+
+def test_dry_run_needs_no_daemon(ctx, monkeypatch, capsys):
+    monkeypatch.setattr(image, "docker_engine", lambda: pytest.fail("a dry run asked for the daemon"))
+    monkeypatch.chdir(ctx.config.base_dir)
+    assert main(["image", "--dry-run", "-q", "--config", _config_file(ctx)]) == 0
+    out = capsys.readouterr().out
+    assert "FROM example/vllm-openai:v0.21.0" in out and "build_cumem_extension" in out
+    assert "(built by Dockerfile.builder)" in out and "device_allocator/cumem.py" in out
+    assert "manifest.json" in out
+
+
+def _config_file(ctx: Context) -> str:
+    path = Path(ctx.config.base_dir) / "test.yaml"
+    text = (
+        f"pin:\n  version: '0.21.0'\n  source: {ctx.config.pin.source}\nseries: {ctx.config.series}\n"
+        "image:\n  base: example/vllm-openai:v0.21.0\n  tag: example/bundle:test\n"
+    )
+    path.write_text(text)
+    return str(path)
+
+
+def test_build_flow(ctx, engine, tmp_path, monkeypatch):
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", EPOCH["SOURCE_DATE_EPOCH"])
+    result = image.build_bundle(ctx, ctx.config.image, engine, tmp_path / "out", push=True)
+    builds = [c for c in engine.calls if c[0] == "build"]
+    assert [b[1].split(":")[0] for b in builds] == ["sm12x-bundle-builder", "example/bundle"]
+    assert builds[0][2].splitlines()[-1].startswith("RUN cd /sm12x-build")
+    built = engine.images["example/bundle:test"]
+    so = built.files[OFFICIAL_VLLM_ROOT + "/cumem_allocator.abi3.so"]
+    assert so.startswith(b"\x7fELF") and CPP_NEW.encode() in so
+    assert built.files[OFFICIAL_VLLM_ROOT + "/device_allocator/cumem.py"] == CUMEM_NEW.encode()
+    manifest = json.loads(built.files[image.DOC_DIR + "/manifest.json"])
+    assert {f["sha256"] for f in manifest["files"]} == {sha(so), sha(CUMEM_NEW.encode())}
+    assert built.labels["org.opencontainers.image.vendor"] == ""
+    assert built.labels["maintainer"] == "upstream"
+    assert engine.calls[-1] == ("push", "example/bundle:test")
+    assert result.checked == 2 and result.imported == ()
+
+
+def test_a_failed_check_is_a_verify_error(ctx, engine, tmp_path, monkeypatch):
+    real_build = engine.build
+
+    def build(context, dockerfile, tag, buildargs, progress):
+        image_id = real_build(context, dockerfile, tag, buildargs, progress)
+        engine.images[tag].problems = ["/x/cumem.py: does not compile: SyntaxError"]
+        return image_id
+
+    monkeypatch.setattr(engine, "build", build)
+    with pytest.raises(VerifyError, match="does not compile"):
+        image.build_bundle(ctx, ctx.config.image, engine, tmp_path / "out")
+
+
+def test_skewed_base_is_refused_before_any_build(ctx, engine, tmp_path):
+    base = engine.images["example/vllm-openai:v0.21.0"]
+    base.files[OFFICIAL_VLLM_ROOT + "/device_allocator/cumem.py"] = b"another release\n"
+    with pytest.raises(VerifyError, match="device_allocator/cumem.py"):
+        image.build_bundle(ctx, ctx.config.image, engine, tmp_path / "out")
+    assert not [c for c in engine.calls if c[0] == "build"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_base_is_an_engine_error_and_nothing_is_built(ctx, engine, tmp_path):
+    cfg = dataclasses.replace(ctx.config.image, base="example/nothing:1")
+    with pytest.raises(EngineError, match="example/nothing:1 not found"):
+        image.build_bundle(ctx, cfg, engine, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_base_digest_pins_the_reference(ctx, engine, tmp_path):
+    digest = "sha256:" + "d" * 64
+    cfg = dataclasses.replace(ctx.config.image, base="reg.example:5000/vllm:v1", base_digest=digest)
+    assert image._reference(cfg) == f"reg.example:5000/vllm@{digest}"
+    engine.images[f"reg.example:5000/vllm@{digest}"] = engine.images["example/vllm-openai:v0.21.0"]
+    result = image.build_bundle(ctx, cfg, engine, tmp_path / "out")
+    assert result.plan.labels["org.opencontainers.image.base.digest"] == digest
+    assert result.plan.labels["org.opencontainers.image.base.name"] == "reg.example:5000/vllm:v1"
+
+
+# --- real builds on stand-in images (a Docker daemon) -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def pinned_ctx(default_context) -> Context:
+    return default_context
+
+
+def build_cli(base: str, tag: str, out: Path, *extra: str) -> int:
+    return main(["image", "-q", "--base", base, "--tag", tag, "--out", str(out), *extra])
+
+
+@pytest.fixture(scope="module")
+def bundle(daemon, standin_official, tmp_path_factory):
+    """One real build (through the command) on the official-root stand-in."""
+    out = tmp_path_factory.mktemp("image")
+    assert build_cli(standin_official.ref, "sm12x-test/bundle:a", out / "a") == 0
+    return out / "a", "sm12x-test/bundle:a"
+
+
+@pytest.mark.docker
+def test_bundle_files_match_the_manifest_and_the_pinned_series(daemon, bundle, series, pinned_source):
+    out, tag = bundle
+    manifest = json.loads((out / "bundle/files" / image.DOC_DIR.lstrip("/") / "manifest.json").read_text())
+    assert manifest["vllm_root"] == OFFICIAL_VLLM_ROOT
+    assert manifest["versions"]["vllm"] == "0.21.0"
+    _, changes = patched_files(series, pinned_source)
+    inside = daemon.read_files(tag, [f["container_path"] for f in manifest["files"]])
+    for f in manifest["files"]:
+        data = inside[f["container_path"]]
+        assert data is not None and sha(data) == f["sha256"], f["container_path"]
+        rel = "vllm" + f["container_path"][len(OFFICIAL_VLLM_ROOT):]
+        if rel.endswith(".py"):
+            assert data == changes[rel].to_bytes()
+            original = pinned_source.root / rel
+            assert f["pre_image_sha256"] == (sha(original.read_bytes()) if original.exists() else None)
+        else:
+            assert data.startswith(b"\x7fELF") and f["patches"] == ["cumem-error-code-reset"]
+
+
+@pytest.mark.docker
+def test_bundle_doc_folder_and_stale_bytecode(daemon, bundle, series):
+    out, tag = bundle
+    doc = image.DOC_DIR
+    names = [series.file.name] + [p.file.name for p in series.patches] + ["manifest.json"]
+    inside = daemon.read_files(tag, [f"{doc}/{n}" for n in names])
+    assert inside[f"{doc}/series"] == series.file.read_bytes()
+    for p in series.patches:
+        assert inside[f"{doc}/{p.file.name}"] == p.text.encode()
+    local = out / "bundle/files" / doc.lstrip("/") / "manifest.json"
+    assert inside[f"{doc}/manifest.json"] == local.read_bytes()
+    # the stand-in compiled device_allocator/: cumem.py's stale .pyc is gone, its neighbour stays
+    pycache = OFFICIAL_VLLM_ROOT + "/device_allocator/__pycache__/"
+    left = daemon.read_files(tag, [pycache + "cumem.cpython-311.pyc", pycache + "__init__.cpython-311.pyc"])
+    assert left[pycache + "cumem.cpython-311.pyc"] is None
+    assert left[pycache + "__init__.cpython-311.pyc"] is not None
+
+
+@pytest.mark.docker
+def test_bundle_labels(daemon, bundle, standin_official, series):
+    _, tag = bundle
+    labels = daemon.image_labels(tag)
+    oci = "org.opencontainers.image."
+    assert labels[oci + "base.name"] == standin_official.ref
+    assert labels[oci + "base.digest"] == daemon.image_id(standin_official.ref)
+    assert labels[oci + "revision"] == series.sha256
+    assert labels[oci + "source"] == "https://example.invalid/sm12x-bundle"
+    assert labels[oci + "version"] == f"0.21.0+sm12x.{series.sha256[:12]}"
+    assert labels[oci + "created"].endswith("Z")
+    project = json.loads(labels["org.sm12x-bundle.bundle"])
+    assert project == {
+        "patches": list(series.ids),
+        "pin": {"version": "0.21.0", "sha256": "05ff89c3e926b88b77d7878e317a659ffba678afc21c1d48952037aa5457f058"},
+        "series_sha256": series.sha256,
+    }
+
+
+@pytest.mark.docker
+def test_same_inputs_same_files_and_labels(daemon, bundle, standin_official, tmp_path):
+    out_a, tag_a = bundle
+    assert build_cli(standin_official.ref, "sm12x-test/bundle:b", tmp_path / "b") == 0
+    assert daemon.image_labels("sm12x-test/bundle:b") == daemon.image_labels(tag_a)
+    manifest = "bundle/files" + image.DOC_DIR + "/manifest.json"
+    a, b = (json.loads((out / manifest).read_text()) for out in (out_a, tmp_path / "b"))
+    assert (a.pop("target"), b.pop("target")) == (tag_a, "sm12x-test/bundle:b")  # the only difference
+    assert a == b
+
+
+@pytest.mark.docker
+def test_skewed_base_is_refused_naming_the_file(daemon, standin_skew, tmp_path, capsys):
+    code = build_cli(standin_skew.ref, "sm12x-test/bundle:skew", tmp_path / "skew")
+    err = capsys.readouterr().err
+    assert code == VerifyError.exit_code
+    assert "version skew" in err and "it says vLLM 0.26.0" in err
+    assert OFFICIAL_VLLM_ROOT + "/device_allocator/cumem.py" in err
+    with pytest.raises(EngineError, match="not found"):
+        daemon.image_id("sm12x-test/bundle:skew")
+    assert not (tmp_path / "skew").exists()
+
+
+@pytest.mark.docker
+def test_opt_root_is_found_and_planned(daemon, standin_opt, pinned_ctx):
+    cfg = dataclasses.replace(pinned_ctx.config.image, base=standin_opt.ref)
+    plan = image.plan_from_base(pinned_ctx, cfg, daemon)
+    assert plan.base.root == "/opt/vllm/vllm"
+    assert all(f.container_path.startswith("/opt/vllm/vllm/") for f in plan.files)
+    assert plan.base.versions["vllm"] == "0.21.0"  # from vllm/_version.py: no metadata there
+
+
+@pytest.mark.docker
+def test_base_without_vllm_is_refused(daemon, standin_novllm, tmp_path, capsys):
+    assert build_cli(standin_novllm.ref, "sm12x-test/bundle:none", tmp_path / "none") == EngineError.exit_code
+    assert "holds no vLLM" in capsys.readouterr().err
+
+
+@pytest.mark.docker
+def test_missing_base_image(daemon, tmp_path, capsys):
+    assert build_cli("sm12x-test/no-such-image:1", "sm12x-test/bundle:x", tmp_path / "x") == EngineError.exit_code
+    assert "sm12x-test/no-such-image:1 not found" in capsys.readouterr().err
+
+
+@pytest.mark.docker
+def test_builder_failure_is_a_command_error(daemon, standin_base, tmp_path):
+    builder = image.BuilderPlan(daemon.image_id(standin_base), {"csrc/cumem_allocator.cpp": b"not C++\n"})
+    with pytest.raises(CommandError, match="cumem_allocator.cpp"):
+        image.build_cumem(daemon, builder, tmp_path / "builder", Progress.quiet())

@@ -1,0 +1,201 @@
+"""Overlays against a real Docker daemon and stand-in vLLM images (docker_support.py):
+the real vLLM 0.21.0 files at the official root and at /opt/vllm/vllm, 0.26.0's files at
+the official root (version skew), and an image without vLLM.
+
+Each container costs seconds on the test daemon's vfs storage, so the module makes each
+overlay once and checks several things of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from docker_support import (  # noqa: F401  (fixtures)
+    SKEW_VERSION,
+    daemon,
+    standin_base,
+    standin_novllm,
+    standin_official,
+    standin_opt,
+    standin_skew,
+)
+
+from sm12x_bundle.cli import main
+from sm12x_bundle.config import TargetConfig
+from sm12x_bundle.engine import OFFICIAL_VLLM_ROOT
+from sm12x_bundle.errors import ApplyError, EngineError, VerifyError
+from sm12x_bundle.outputs import overlay
+from sm12x_bundle.progress import Progress
+
+pytestmark = pytest.mark.docker
+
+CUMEM = "vllm/device_allocator/cumem.py"
+OPT = "/opt/vllm/vllm"
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(overlay, "image_cache_dir", lambda ctx: tmp_path / "image-cache")
+    return tmp_path
+
+
+def overlay_cli(*argv: str) -> int:
+    return main(["overlay", "-q", *argv])
+
+
+def current(out: Path, name: str) -> tuple[Path, dict]:
+    manifest = json.loads((out / name / "current.json").read_text())
+    return out / name / manifest["content_hash"], manifest
+
+
+# --- where vLLM is -------------------------------------------------------------------
+
+
+def test_install_root_found_at_both_roots(daemon, standin_official, standin_opt):
+    official = overlay.image_side(daemon, TargetConfig(name="a", image=standin_official.ref))
+    assert official.root == OFFICIAL_VLLM_ROOT  # the image's python3 finds it
+    assert official.versions["vllm"] == "0.21.0"  # from the dist-info metadata
+    opt = overlay.image_side(daemon, TargetConfig(name="b", image=standin_opt.ref))
+    assert opt.root == OPT  # not on sys.path: found by searching
+    assert opt.versions["vllm"] == "0.21.0"  # from the package's _version.py
+    assert opt.image_id == daemon.image_id(standin_opt.ref)
+
+
+# --- made from the image, checked in the image ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def official_overlay(tmp_path_factory, standin_official, daemon):
+    """`overlay --verify` of the official-root stand-in, run once: (out folder, stdout, stderr)."""
+    import contextlib
+    import io
+    import os
+
+    out = tmp_path_factory.mktemp("official") / "overlays"
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main(["overlay", "--image", standin_official.ref, "--verify", "--out", os.fspath(out)])
+    assert code == 0, stderr.getvalue()
+    return out, stdout.getvalue(), stderr.getvalue()
+
+
+def test_overlay_patches_the_images_own_file(official_overlay, standin_official, daemon, pinned_tree, patched_tree):
+    out, stdout, _ = official_overlay
+    folder, m = current(out, overlay.target_name_for(standin_official.ref))
+    assert m["image_id"] == daemon.image_id(standin_official.ref)
+    assert m["vllm_root"] == OFFICIAL_VLLM_ROOT and m["versions"]["vllm"] == "0.21.0"
+    files = {f["container_path"]: f for f in m["files"]}
+    cumem = files[f"{OFFICIAL_VLLM_ROOT}/device_allocator/cumem.py"]
+    assert cumem["pre_image_sha256"] == sha((pinned_tree / CUMEM).read_bytes())
+    assert (folder / cumem["source"]).read_bytes() == (patched_tree / CUMEM).read_bytes()
+    assert f"{folder}" in stdout
+
+
+def test_native_extension_is_rebuilt_and_loads_in_the_image(official_overlay, standin_official):
+    out, _, stderr = official_overlay
+    folder, m = current(out, overlay.target_name_for(standin_official.ref))
+    so = next(f for f in m["files"] if f["container_path"].endswith("/cumem_allocator.abi3.so"))
+    assert so["pre_image_sha256"] is None  # the stand-in carries vLLM's Python files only
+    assert so["patches"] == ["cumem-error-code-reset"] and so["mode"] == "0755"
+    record = m["native"][so["container_path"]]
+    assert record["built_on"] == "host" and "libcuda.so.1" in record["links"]
+    assert f"{so['container_path']}: loads as vllm.cumem_allocator" in stderr
+
+
+def test_verify_checks_hashes_compile_and_bytecode_in_the_image(official_overlay, standin_official):
+    _, stdout, stderr = official_overlay
+    py = f"{OFFICIAL_VLLM_ROOT}/device_allocator/cumem.py"
+    for line in (
+        f"{py}: the image's original is the recorded pre-image",
+        f"{py}: sha256",
+        f"{py}: compiles",
+        "imports not checked: the image has no torch",
+    ):
+        assert line in stderr
+    assert f"verified in {standin_official.ref}" in stdout
+
+
+def test_image_and_pinned_tree_give_the_same_files(official_overlay, standin_official, series, pinned_source):
+    """The stand-in carries the pinned release unchanged: both paths must agree byte for byte."""
+    out, _, _ = official_overlay
+    _, m = current(out, overlay.target_name_for(standin_official.ref))
+    t = TargetConfig(name="p", image="x", root=OFFICIAL_VLLM_ROOT, pinned=True)
+    side = overlay.pinned_side(t, pinned_source)
+    pin = {"version": "0.21.0", "sha256": pinned_source.sha256}
+    plan = overlay.plan_series(series)
+    ov = overlay.make_overlay(t, series, plan, side, lambda v: pinned_source, pin, Progress.quiet())
+    assert ov.content_hash == m["content_hash"]
+
+
+def test_overlay_at_the_opt_root_verifies(workdir, standin_opt, capsys):
+    assert main(["overlay", "--image", standin_opt.ref, "--verify"]) == 0  # not -q: the checks are listed
+    folder, m = current(workdir / "overlays", overlay.target_name_for(standin_opt.ref))
+    paths = {f["container_path"] for f in m["files"]}
+    assert {f"{OPT}/device_allocator/cumem.py", f"{OPT}/cumem_allocator.abi3.so"} <= paths
+    assert all(p.startswith(OPT + "/") for p in paths)
+    assert f"{OPT}/cumem_allocator.abi3.so: loads as vllm.cumem_allocator" in capsys.readouterr().err
+
+
+# --- refusals ------------------------------------------------------------------------
+
+
+def test_verify_refuses_an_image_whose_original_differs(
+    official_overlay, standin_official, standin_skew, default_context, capsys
+):
+    """The 0.21.0 overlay against 0.26.0's files at the same paths: refused before mounting."""
+    out, _, _ = official_overlay
+    manifest = out / overlay.target_name_for(standin_official.ref) / "current.json"
+    assert overlay_cli("--verify", "--manifest", str(manifest), "--image", standin_skew.ref) == VerifyError.exit_code
+    err = capsys.readouterr().err
+    theirs = sha((default_context.source(SKEW_VERSION).root / CUMEM).read_bytes())
+    files = json.loads(manifest.read_text())["files"]
+    ours = next(f for f in files if f["container_path"].endswith(CUMEM[len("vllm") :]))["pre_image_sha256"]
+    assert f"{OFFICIAL_VLLM_ROOT}/device_allocator/cumem.py: expected {ours}, found {theirs}" in err
+    assert "refused" in err
+
+
+def test_skew_is_refused_and_nothing_is_written(workdir, standin_skew, capsys):
+    assert overlay_cli("--image", standin_skew.ref) == ApplyError.exit_code
+    err = capsys.readouterr().err
+    assert f"image {standin_skew.ref}" in err
+    assert f"{OFFICIAL_VLLM_ROOT}/device_allocator/cumem.py" in err and "hunk #1" in err
+    assert not (workdir / "overlays").exists()
+
+
+@pytest.mark.parametrize(
+    "which, message",
+    [
+        ("missing", "sm12x-standin/no-such-image:1 not found"),
+        ("novllm", "holds no vLLM"),
+    ],
+)
+def test_bad_images_are_one_sentence_and_write_nothing(workdir, daemon, standin_novllm, capsys, which, message):
+    ref = standin_novllm.ref if which == "novllm" else "sm12x-standin/no-such-image:1"
+    assert overlay_cli("--image", ref) == EngineError.exit_code
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (workdir / "overlays").exists()
+
+
+def test_unreachable_daemon_is_one_sentence_and_writes_nothing(workdir, monkeypatch, capsys):
+    monkeypatch.setenv("DOCKER_HOST", "unix:///nonexistent/docker.sock")
+    assert overlay_cli("--image", "anything:1") == EngineError.exit_code
+    assert "does not answer" in capsys.readouterr().err
+    assert overlay_cli("--verify") == EngineError.exit_code  # verify needs the image
+    assert not (workdir / "overlays").exists()
+
+
+def test_pinned_target_absent_from_the_daemon_uses_the_pinned_tree(workdir, daemon, capsys):
+    """The default target's official image is not in the test daemon (no registry)."""
+    assert overlay_cli() == 0
+    _, m = current(workdir / "overlays", "vllm-openai-v0.21.0")
+    assert m["image_id"] is None and m["image"] == "vllm/vllm-openai:v0.21.0"
+    assert "from the pinned vLLM 0.21.0 tree" in capsys.readouterr().out
