@@ -531,7 +531,7 @@ def example_pairs() -> list[str]:
 
 def test_examples_are_the_rotation():
     assert example_pairs() == ["dsv4-flash", "mimo-flash"]
-    cfg = config_mod.load(EXAMPLES / "rotation.yaml")
+    cfg = config_mod.parse(config_mod.default_text(), "<embedded default>", EXAMPLES)
     for job in cfg.jobs:
         assert (job.tensor_parallel_size, job.gpus, job.gpu_ids, job.sleep_mode) == (4, 4, ("0", "1", "2", "3"), True)
         assert job.gpu_memory_utilization == 0.70
@@ -546,7 +546,7 @@ def test_example_hcl_and_json_describe_the_same_job(name):
 
 
 def test_examples_are_rendered_from_the_committed_config():
-    cfg = config_mod.load(EXAMPLES / "rotation.yaml")
+    cfg = config_mod.parse(config_mod.default_text(), "<embedded default>", EXAMPLES)
     manifests = nomad.find_manifests(cfg, [EXAMPLES / "example-manifest.json"])
     for name, data in nomad.render_jobs(cfg, manifests).items():
         assert data == (EXAMPLES / name).read_bytes(), f"nomad/{name} is stale: rerun the command in nomad/README.md"

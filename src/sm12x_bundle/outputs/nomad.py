@@ -807,7 +807,7 @@ def write_jobs(files: Mapping[str, bytes], out: Path) -> list[tuple[Path, bool]]
 def cmd_nomad(ctx: Context, args: argparse.Namespace) -> int:
     config = ctx.config
     if not config.jobs:
-        raise ConfigError(f"{config.origin}: no jobs to render: add a 'jobs:' list (example: nomad/rotation.yaml)")
+        raise ConfigError(f"{config.origin}: no jobs to render: add a 'jobs:' list (example: the embedded default, shown by nomad/README.md)")
     files = render_jobs(config, find_manifests(config, args.manifest or ()))
     out = Path(args.out) if args.out else Path(config.output.dir) / "nomad"
     for path, changed in write_jobs(files, out):
@@ -833,7 +833,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 COMMANDS = {
     "nomad": (
         "render Nomad job specs (HCL2 and API JSON) for the config's jobs",
-        "example: sm12x-bundle nomad --config nomad/rotation.yaml --manifest nomad/example-manifest.json --out nomad",
+        "example: sm12x-bundle nomad --manifest nomad/example-manifest.json --out nomad",
         _add_arguments,
         cmd_nomad,
     ),
