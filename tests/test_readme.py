@@ -25,3 +25,14 @@ def test_patch_table_is_generated_from_the_series(series):
     table = re.search(r"<!-- series-table.*?-->\n(.*?)<!-- /series-table -->", README, re.S)
     assert table, "README lost its series table markers"
     assert table.group(1) == series_markdown(series)
+
+
+def test_config_reference_names_every_key():
+    import dataclasses
+
+    from sm12x_bundle import config as config_mod
+
+    section = README[README.index("## Configuration") : README.index("### The pin and the cache")]
+    for cls in (config_mod.PinConfig, config_mod.CheckConfig, config_mod.OutputConfig, config_mod.TargetConfig, config_mod.ImageConfig, config_mod.JobConfig):
+        for f in dataclasses.fields(cls):
+            assert f"`{f.name}`" in section or f".{f.name}`" in section or f", {f.name}" in section or f"`{f.name}," in section, f"{cls.__name__}.{f.name} is not in the README's configuration reference"

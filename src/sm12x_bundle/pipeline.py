@@ -1,3 +1,150 @@
-"""(placeholder: being written)"""
+"""``build``: the whole pipeline for a config, planned first, then run step by step.
 
-COMMANDS: dict = {}
+pin -> check the series -> patched tree -> overlays (verified in the target images when
+a Docker daemon answers) -> Nomad specs (when the config has jobs) -> bundle image (when
+asked). The plan is a list of steps computed from the config alone, so ``--dry-run``
+shows what would be built and where, without fetching or touching anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .checks.check import Outcome, VersionReport, check_tree
+from .context import Context
+from .errors import ApplyError
+from .source.pin import SourceTree
+
+
+@dataclass
+class Run:
+    """What the steps hand to each other, and the summary they leave."""
+
+    ctx: Context
+    out: Path
+    verify: bool | None
+    source: SourceTree | None = None
+    report: VersionReport | None = None
+    engine: Any = None
+    summary: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    destination: str
+    run: Callable[[Run], str]
+
+
+def _pin(run: Run) -> str:
+    run.source = run.ctx.source()
+    src = run.source
+    return f"vLLM {src.version} from {src.origin}" + (f", sha256 {src.sha256} verified" if src.sha256 else "")
+
+
+def _check(run: Run) -> str:
+    assert run.source is not None
+    run.report = check_tree(run.ctx.series, run.source, run.ctx.config.check.fuzz)
+    bad = [r for r in run.report.results if r.outcome is not Outcome.APPLIES]
+    if bad:
+        raise ApplyError(
+            "the series does not apply cleanly to the pin: "
+            + "; ".join(f"{r.patch}: {r.summary()}" for r in bad)
+            + " (run 'sm12x-bundle check' for details)"
+        )
+    return f"{len(run.report.results)} patches apply at fuzz {run.ctx.config.check.fuzz}, series sha256 {run.ctx.series.sha256[:16]}"
+
+
+def _tree(run: Run) -> str:
+    from .outputs.tree import write_tree
+
+    assert run.source is not None
+    dest = run.out / f"vllm-{run.source.version}-sm12x"
+    write_tree(run.ctx.series, run.source, dest, run.ctx.config.check.fuzz)
+    return f"patched tree in {dest} ({len(run.ctx.series.paths)} files changed or added)"
+
+
+def _overlays(run: Run) -> str:
+    from .outputs import overlay
+
+    written = overlay.make_and_write(run.ctx, verify=run.verify)
+    lines = [f"{ov.target}: {folder} ({len(ov.files)} files)" for ov, folder in written]
+    checked = "verified in the target images" if any(ov.image_id for ov, _ in written) else (
+        "from the pinned tree (no Docker daemon: not verified in an image)"
+    )
+    return f"overlays {checked}: " + "; ".join(lines)
+
+
+def _nomad(run: Run) -> str:
+    from .outputs import nomad
+
+    config = run.ctx.config
+    files = nomad.render_jobs(config, nomad.find_manifests(config))
+    dest = run.out / "nomad"
+    nomad.write_jobs(files, dest)
+    return f"Nomad specs in {dest}: {len(config.jobs)} jobs, HCL parsed back, memory budgets fit"
+
+
+def _image(run: Run) -> str:
+    from .engine import docker_engine
+    from .outputs import image
+
+    engine = docker_engine()
+    engine.ping()
+    cfg = run.ctx.config.image
+    result = image.build_bundle(run.ctx, cfg, engine, run.out / "image", push=cfg.push)
+    return f"image {result.tag} ({result.image_id[:19]}): {result.checked} files match the manifest"
+
+
+def plan(ctx: Context, build_image: bool = False) -> list[Step]:
+    """The steps ``build`` will run for this config, in order (pure: reads nothing)."""
+    config = ctx.config
+    out = config.output.dir
+    steps = [
+        Step("pin", "the cache", _pin),
+        Step("check", "-", _check),
+        Step("tree", f"{out}/vllm-{config.pin.version}-sm12x", _tree),
+    ]
+    if config.targets:
+        steps.append(Step("overlays", f"{config.output.overlays}/", _overlays))
+    if config.jobs:
+        steps.append(Step("nomad", f"{out}/nomad/", _nomad))
+    if build_image or config.image.build:
+        steps.append(Step("image", config.image.tag, _image))
+    return steps
+
+
+def cmd_build(ctx: Context, args: argparse.Namespace) -> int:
+    steps = plan(ctx, args.image)
+    if args.dry_run:
+        for n, step in enumerate(steps, 1):
+            print(f"{n}. {step.name:<9} -> {step.destination}")
+        return 0
+    verify = False if args.no_verify else None
+    run = Run(ctx, Path(ctx.config.output.dir), verify)
+    for n, step in enumerate(steps, 1):
+        ctx.progress.say(f"== [{n}/{len(steps)}] {step.name}")
+        run.summary.append(f"{step.name:<9} {step.run(run)}")
+    print("\n".join(run.summary))
+    return 0
+
+
+def _build_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dry-run", action="store_true", help="print the steps and where each output goes; do nothing")
+    p.add_argument("--image", action="store_true", help="also build the bundle image (needs a Docker daemon)")
+    p.add_argument("--no-verify", action="store_true", help="do not verify overlays inside the target images")
+
+
+COMMANDS = {
+    "build": (
+        "run the whole pipeline: pin, check, patched tree, overlays, Nomad specs (and the image)",
+        "example: sm12x-bundle build            # the embedded default, no Docker daemon needed\n"
+        "         sm12x-bundle build --image    # also the bundle image",
+        _build_args,
+        cmd_build,
+    ),
+}
