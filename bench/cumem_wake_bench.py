@@ -8,8 +8,8 @@ Needs a CUDA GPU. Loads TREE's own cumem.py against its extension (built alone) 
 with SIZE asleep in CHUNK allocations (their pinned backups kept), times:
 
 - the host-to-device ceiling: the backups copied into one device buffer;
-- ``wake_up()`` as the tree has it (each allocation: create_and_map, then a
-  synchronous cudaMemcpy);
+- ``wake_up()`` as the tree has it (pristine 0.21.0: each allocation mapped, then
+  copied; patched: every allocation mapped, then every copy);
 - its halves apart: create_and_map of every allocation, then every copy;
 - an overlapped wake: create_and_map of allocation k+1 on the CPU while the copy of
   allocation k runs (cudaMemcpyAsync on a side stream), one synchronize at the end.

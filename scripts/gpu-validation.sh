@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Reproduce docs/gpu-validation.md: the selftest comparison (pristine vLLM 0.21.0 against
-# the patched tree) and the two cumem benchmarks, on one CUDA GPU.
+# the patched tree) and the cumem benchmarks, on one CUDA GPU. The doc's two extra commands
+# (the free bench with --rounds 4, the speed scenario alone at 16 GiB) are run by hand.
 #
 #   scripts/gpu-validation.sh prepare DIR       # where the tool can fetch (network, cache)
 #   scripts/gpu-validation.sh run DIR OUT       # on the GPU host; needs no network
@@ -15,6 +16,8 @@
 # run: installs the wheel when pyzmq is missing, then writes into OUT: env.txt,
 # selftest.json (+ selftest-work.tar: each scenario's own JSON), free-bench.json,
 # first-sleep.json and run.log (everything printed).
+# followup: writes env.txt, inflight.json, wake-bench.json, first-sleep-64.json and
+# followup.log.
 # Each stage has a time limit so that one slow stage cannot starve the others.
 set -uo pipefail
 cd "$(dirname "$0")/.."
