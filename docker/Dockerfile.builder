@@ -7,9 +7,13 @@
 # `docker build` and with the classic builder the Docker SDK drives: no RUN --mount,
 # no heredocs.
 #
-# The compiler line is sm12x_bundle.native's, the same one the GPU selftest and the
-# overlay builder run; the base's python3 runs it, so Python.h is the base's own.
+# The compiler line is sm12x_bundle.native's, the same one the GPU selftest runs;
+# the base's python3 runs it, so Python.h is the base's own. Both outputs build here
+# whenever a daemon and a real image are involved (sm12x_bundle/outputs/native_build.py):
+# the bundle image (FROM its base) and the overlay of an image target (FROM that image).
+# readelf and nm leave what the result links and needs beside it (out/*.txt), so the
+# tool checks that it links libcuda.so.1 without binutils on the host.
 FROM @BUILDER_BASE@
 @BUILDER_SETUP@
 COPY . /sm12x-build/
-RUN cd /sm12x-build && CUDA_HOME=@CUDA_HOME@ PYTHONPATH=lib python3 -c "from pathlib import Path; from sm12x_bundle.native import build_cumem_extension as build; print(build(Path('.'), Path('out')))"
+RUN cd /sm12x-build && CUDA_HOME=@CUDA_HOME@ PYTHONPATH=lib python3 -c "from pathlib import Path; from sm12x_bundle.native import build_cumem_extension as build; print(build(Path('.'), Path('out')))" && readelf -d out/cumem_allocator.abi3.so > out/readelf.txt && nm -D --undefined-only out/cumem_allocator.abi3.so > out/nm.txt

@@ -15,17 +15,18 @@ sm12x cache, so later runs reuse them):
   It stands in for a CUDA image too: the host's CUDA headers (the closure of cuda.h
   and cuda_runtime_api.h) under /usr/local/cuda/include and, as
   /usr/local/cuda/lib64/stubs/libcuda.so, an empty library with the soname
-  libcuda.so.1. Linking a shared object against it records the same DT_NEEDED as
-  NVIDIA's stub (the symbols resolve against the driver at run time); nothing here
-  loads or runs the extension. The rootfs tarball is cached in the sm12x cache
-  (``standin/``), so a fresh daemon imports it instead of running debootstrap again.
+  libcuda.so.1. The rootfs tarball is cached in the sm12x cache (``standin/``), so a
+  fresh daemon imports it instead of running debootstrap again.
 - vLLM stand-ins: the base plus the real ``vllm/`` package of an sdist fetched and
   verified by the tool itself, at the official install root (with a .pth so the
   image's python3 finds it, and dist-info metadata as pip leaves it), at
   /opt/vllm/vllm (nothing on sys.path: found by searching), or another release at the
   official root (version skew). The bare base is the image without vLLM. The
   official-root stand-ins carry bytecode of vllm/device_allocator/, so the bundle's
-  stale-bytecode step is exercised.
+  stale-bytecode step is exercised. Every vLLM stand-in replaces the empty driver stub
+  with one that, like NVIDIA's, defines every driver API function cuda.h declares:
+  Debian's g++ links with --as-needed, so only a stub that defines the calls makes a
+  linked extension record DT_NEEDED libcuda.so.1 (the builder's check insists on it).
 
 Daemon tests skip, with the reason, when no daemon answers, unless
 SM12X_REQUIRE_DOCKER=1 (CI sets it): then they fail.
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -64,6 +66,8 @@ CUDA_HOME = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
 CUDA_HEADERS = ("cuda.h", "cuda_runtime_api.h")
 # Bump when the recipe changes in a way its inputs do not show.
 RECIPE = "2"
+# The same for the vLLM stand-ins alone (a change here does not rebuild the base).
+VLLM_RECIPE = "2"
 REQUIRE = os.environ.get("SM12X_REQUIRE_DOCKER") == "1"
 
 
@@ -201,6 +205,18 @@ LAYOUTS = {
 }
 
 
+def _driver_stub(dest: Path) -> None:
+    """A libcuda.so (soname libcuda.so.1) defining every driver API function cuda.h declares."""
+    text = (CUDA_HOME / "include" / "cuda.h").read_text("utf-8", "replace")
+    names = set(re.findall(r"CUDAAPI\s+(cu[A-Z]\w*)\s*\(", text))
+    names |= set(re.findall(r"^#\s*define\s+cu[A-Z]\w*\s+(cu[A-Z]\w*)\s*$", text, re.M))
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "stub.c"
+        src.write_text("".join(f"void {n}(void) {{}}\n" for n in sorted(names)))
+        cmd.run(["gcc", "-shared", "-fPIC", "-nostdlib", "-Wl,-soname,libcuda.so.1", "-o", dest, src], echo=False)
+
+
 def _standin_context(ctx: Path, base_id: str, source: SourceTree, root: str, on_path: bool) -> None:
     steps = [f"FROM {base_id}", "COPY root/ /"]
     if on_path:
@@ -209,6 +225,7 @@ def _standin_context(ctx: Path, base_id: str, source: SourceTree, root: str, on_
     (ctx / "Dockerfile").write_text("\n".join(steps) + "\n")
     dest = ctx / "root" / root.lstrip("/")
     shutil.copytree(source.root / "vllm", dest, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    _driver_stub(ctx / "root/usr/local/cuda/lib64/stubs/libcuda.so")
     if on_path:
         site = os.path.dirname(root)
         pth = ctx / "root/usr/lib/python3/dist-packages/sm12x-standin-vllm.pth"
@@ -223,7 +240,7 @@ def ensure_vllm_standin(engine: DockerEngine, base: str, source: SourceTree, lay
     """``base`` plus ``source``'s vllm/ package at the layout's install root."""
     root = LAYOUTS[layout]
     base_id = engine.image_id(base)
-    key = hashlib.sha256(f"{RECIPE}\0{base_id}\0{source.root}\0{source.sha256}\0{layout}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{RECIPE}\0{VLLM_RECIPE}\0{base_id}\0{source.root}\0{source.sha256}\0{layout}".encode()).hexdigest()[:12]
     tag = f"sm12x-standin/vllm:{source.version}-{layout}-{key}"
     with locked(cache_dir(), f"standin-{key}"):
         if not _has_image(engine, tag):

@@ -30,7 +30,7 @@ from sm12x_bundle.cli import main
 from sm12x_bundle.context import Context
 from sm12x_bundle.engine import OFFICIAL_VLLM_ROOT
 from sm12x_bundle.errors import CommandError, ConfigError, EngineError, SeriesError, VerifyError
-from sm12x_bundle.outputs import image
+from sm12x_bundle.outputs import dockerfile, image, manifest, native_build
 from sm12x_bundle.outputs.tree import patched_files
 from sm12x_bundle.progress import Progress
 from sm12x_bundle.series.patch import load_series
@@ -100,7 +100,7 @@ def ctx(tmp_path, tree, series_file) -> Context:
 
 def fake_base(ctx: Context, **changes) -> image.BaseImage:
     source = ctx.source()
-    paths = sorted(image.image_paths(ctx.series))
+    paths = sorted(manifest.installed_paths(ctx.series))
     base = image.pinned_base(ctx.config.image, source, paths)
     fields = {"ref": BASE_ID, "digest": BASE_ID, "import_error": "ModuleNotFoundError: torch", "bytecode": {}}
     return dataclasses.replace(base, **{**fields, **changes})
@@ -139,6 +139,8 @@ class FakeEngine:
     def __init__(self, images: dict[str, FakeImage]):
         self.images = images
         self.calls: list[tuple] = []
+        # what readelf -d says of the builder's extension
+        self.readelf = b" 0x0000000000000001 (NEEDED)             Shared library: [libcuda.so.1]\n"
 
     def _get(self, ref: str) -> FakeImage:
         for key, img in self.images.items():
@@ -172,9 +174,11 @@ class FakeEngine:
                       "import_error": "ModuleNotFoundError: No module named 'torch'",
                       "files": files, "bytecode": {p: [] for p in wanted}}
             return 0, "SM12X-PROBE " + json.dumps(answer) + "\n"
-        manifest = json.loads(img.files[image.DOC_DIR + "/manifest.json"])
-        answer = {"problems": img.problems, "checked": len(manifest["files"]), "compiled": 1, "imported": []}
-        return 0, "SM12X-VERIFY " + json.dumps(answer) + "\n"
+        assert argv[2] == manifest.VERIFY_SCRIPT
+        listed = json.loads(img.files[image.DOC_DIR + "/manifest.json"])
+        counts = {"checked": len(listed["files"]), "compiled": 1, "imported": []}
+        lines = [f"sm12x-verify fail {problem}" for problem in img.problems]
+        return 0, "\n".join(lines + ["sm12x-verify done " + json.dumps(counts)]) + "\n"
 
     def build(self, context, dockerfile, tag, buildargs, progress):
         text = (context / dockerfile).read_text()
@@ -183,7 +187,12 @@ class FakeEngine:
         files = dict(base.files)
         labels = dict(base.labels)
         if "build_cumem_extension" in text:
-            files[image.BUILDER_OUT] = b"\x7fELF fake extension of " + (context / "csrc/cumem_allocator.cpp").read_bytes()
+            out = native_build.BUILDER_DIR
+            files[native_build.BUILDER_OUT] = (
+                b"\x7fELF fake extension of " + (context / "csrc/cumem_allocator.cpp").read_bytes()
+            )
+            files[out + "readelf.txt"] = self.readelf
+            files[out + "nm.txt"] = b"                 U memcpy@GLIBC_2.14\n"
         else:
             for path in (context / "files").rglob("*"):
                 if path.is_file():
@@ -218,7 +227,7 @@ def engine(tree) -> FakeEngine:
 
 
 def test_image_paths_map_patches_to_installed_files(ctx):
-    assert image.image_paths(ctx.series) == {
+    assert manifest.installed_paths(ctx.series) == {
         "vllm/cumem_allocator.abi3.so": ("native-fix",),
         "vllm/device_allocator/cumem.py": ("cumem-fix",),
     }
@@ -228,19 +237,19 @@ def test_a_native_patch_must_build_the_cumem_extension(tmp_path):
     bad = make_patch({"csrc/x.cpp": ("a\n", "b\n")}, "x", Sm12x_Kind="native", Sm12x_Builds="vllm/other.so")
     series = load_series(write_series(tmp_path / "p", {"0001-x.patch": bad}))
     with pytest.raises(SeriesError, match="only vllm/cumem_allocator.abi3.so"):
-        image.image_paths(series)
+        manifest.installed_paths(series)
 
 
 def test_the_shipped_series_maps_into_the_image(series):
-    paths = image.image_paths(series)
+    paths = manifest.installed_paths(series)
     assert paths["vllm/device_allocator/cumem.py"][0] == "cumem-stream-aware-free"
     assert paths["vllm/cumem_allocator.abi3.so"] == ("cumem-error-code-reset",)
     assert all(p.startswith("vllm/") for p in paths)
 
 
 def test_container_path():
-    assert image.container_path("/opt/vllm/vllm", "vllm/a/b.py") == "/opt/vllm/vllm/a/b.py"
-    assert image.container_path("/opt/vllm/vllm/", "vllm/x.so") == "/opt/vllm/vllm/x.so"
+    assert manifest.container_path("/opt/vllm/vllm", "vllm/a/b.py") == "/opt/vllm/vllm/a/b.py"
+    assert manifest.container_path("/opt/vllm/vllm/", "vllm/x.so") == "/opt/vllm/vllm/x.so"
 
 
 def test_plan_holds_patched_bytes_pre_images_and_builder_inputs(ctx):
@@ -298,9 +307,9 @@ def test_created_comes_from_source_date_epoch_else_the_series_never_the_clock(ct
 def test_same_inputs_same_plan_context_and_labels(ctx):
     a, b = make_plan(ctx), make_plan(ctx)
     assert a.labels == b.labels
-    assert image.context_digest(image.bundle_context(a)) == image.context_digest(image.bundle_context(b))
-    assert image.context_digest(image.builder_context(a.builder)) == image.context_digest(
-        image.builder_context(b.builder)
+    assert dockerfile.context_digest(image.bundle_context(a)) == dockerfile.context_digest(image.bundle_context(b))
+    assert dockerfile.context_digest(native_build.builder_context(a.builder)) == dockerfile.context_digest(
+        native_build.builder_context(b.builder)
     )
 
 
@@ -309,7 +318,7 @@ def test_same_inputs_same_plan_context_and_labels(ctx):
 
 def test_skew_is_refused_naming_the_file(ctx):
     source = ctx.source()
-    paths = sorted(image.image_paths(ctx.series))
+    paths = sorted(manifest.installed_paths(ctx.series))
     image.check_skew(fake_base(ctx), source, paths)
     other = fake_base(ctx, pre_images={"vllm/device_allocator/cumem.py": b"0.26.0's cumem.py\n"},
                       versions={"vllm": "0.26.0"})
@@ -330,7 +339,7 @@ def test_golden_dockerfiles(ctx):
     plan = make_plan(ctx, bytecode={"vllm/device_allocator/cumem.py": [
         OFFICIAL_VLLM_ROOT + "/device_allocator/__pycache__/cumem.cpython-312.pyc"]})
     rendered = {
-        "Dockerfile.builder": image.builder_dockerfile(plan.builder),
+        "Dockerfile.builder": native_build.builder_dockerfile(plan.builder),
         "Dockerfile.bundle": image.bundle_dockerfile(plan),
     }
     for name, text in rendered.items():
@@ -344,7 +353,7 @@ def test_golden_dockerfiles(ctx):
 
 def test_classic_builder_syntax_only(ctx):
     plan = make_plan(ctx)
-    for text in (image.builder_dockerfile(plan.builder), image.bundle_dockerfile(plan)):
+    for text in (native_build.builder_dockerfile(plan.builder), image.bundle_dockerfile(plan)):
         assert not text.startswith("# syntax")
         steps = [line for line in text.splitlines() if line and not line.startswith("#")]
         assert not [line for line in steps if "--mount" in line or "<<" in line]
@@ -370,14 +379,14 @@ def test_label_values_survive_dockerfile_quoting(ctx):
 
 
 def test_template_fields_must_all_be_filled():
-    assert image.fill("FROM @BASE@\n# user@example.com\n", {"BASE": "x"}) == "FROM x\n# user@example.com\n"
+    assert dockerfile.fill("FROM @BASE@\n# user@example.com\n", {"BASE": "x"}) == "FROM x\n# user@example.com\n"
     with pytest.raises(ConfigError, match="LABELS"):
-        image.fill("FROM @BASE@\nLABEL @LABELS@\n", {"BASE": "x"})
+        dockerfile.fill("FROM @BASE@\nLABEL @LABELS@\n", {"BASE": "x"})
 
 
 def test_contexts_hold_only_what_the_build_needs(ctx):
     plan = make_plan(ctx)
-    assert sorted(image.builder_context(plan.builder)) == [
+    assert sorted(native_build.builder_context(plan.builder)) == [
         "Dockerfile", "csrc/cumem_allocator.cpp", "csrc/cumem_allocator_compat.h",
         "lib/sm12x_bundle/__init__.py", "lib/sm12x_bundle/cmd.py", "lib/sm12x_bundle/errors.py",
         "lib/sm12x_bundle/native.py",
@@ -392,10 +401,12 @@ def test_contexts_hold_only_what_the_build_needs(ctx):
 
 
 def test_manifest_schema(ctx):
-    plan = make_plan(ctx).with_artifact(image.NATIVE_ARTIFACT, b"\x7fELF")
-    m = json.loads(image.manifest_bytes(plan))
+    record = {"built_on": "builder image sha256:" + "c" * 64, "links": ["libcuda.so.1"]}
+    plan = make_plan(ctx).with_artifact(image.NATIVE_ARTIFACT, b"\x7fELF", record)
+    m = json.loads(manifest.manifest_bytes(image.manifest(plan)))
     assert set(m) == {"schema", "target", "image", "image_id", "vllm_root", "versions", "pin",
-                      "series_sha256", "content_hash", "files"}
+                      "series_sha256", "content_hash", "files", "native"}
+    assert m["native"] == {OFFICIAL_VLLM_ROOT + "/cumem_allocator.abi3.so": record}
     assert m["schema"] == 1 and m["image_id"] == BASE_ID and m["vllm_root"] == OFFICIAL_VLLM_ROOT
     assert [f["container_path"] for f in m["files"]] == sorted(f["container_path"] for f in m["files"])
     so = m["files"][0]
@@ -409,11 +420,11 @@ def test_manifest_schema(ctx):
 
 def test_write_context_is_atomic_with_fixed_mtimes(ctx, tmp_path):
     plan = make_plan(ctx).with_artifact(image.NATIVE_ARTIFACT, b"\x7fELF")
-    dest = image.write_context(image.bundle_context(plan), tmp_path / "bundle", plan.created)
+    dest = dockerfile.write_context(image.bundle_context(plan), tmp_path / "bundle", plan.created)
     so = dest / ("files" + OFFICIAL_VLLM_ROOT) / "cumem_allocator.abi3.so"
     assert so.stat().st_mode & 0o777 == 0o755 and int(so.stat().st_mtime) == plan.created
     with pytest.raises(VerifyError, match="no content yet"):
-        image.write_context(image.bundle_context(make_plan(ctx)), dest, 0)
+        dockerfile.write_context(image.bundle_context(make_plan(ctx)), dest, 0)
     assert so.read_bytes() == b"\x7fELF"  # the failed write left the old context
 
 
@@ -452,10 +463,21 @@ def test_build_flow(ctx, engine, tmp_path, monkeypatch):
     assert built.files[OFFICIAL_VLLM_ROOT + "/device_allocator/cumem.py"] == CUMEM_NEW.encode()
     manifest = json.loads(built.files[image.DOC_DIR + "/manifest.json"])
     assert {f["sha256"] for f in manifest["files"]} == {sha(so), sha(CUMEM_NEW.encode())}
+    record = manifest["native"][OFFICIAL_VLLM_ROOT + "/cumem_allocator.abi3.so"]
+    assert record["built_on"] == "builder image " + engine.images[builds[0][1]].id
+    assert record["builder_base"] == BASE_ID and record["links"] == ["libcuda.so.1"]
+    assert record["requires"] == ["GLIBC_2.14"] and record["built_from"]["patches"] == ["native-fix"]
     assert built.labels["org.opencontainers.image.vendor"] == ""
     assert built.labels["maintainer"] == "upstream"
     assert engine.calls[-1] == ("push", "example/bundle:test")
     assert result.checked == 2 and result.imported == ()
+
+
+def test_an_extension_that_does_not_link_libcuda_is_refused(ctx, engine, tmp_path):
+    engine.readelf = b" 0x0000000000000001 (NEEDED)             Shared library: [libc.so.6]\n"
+    with pytest.raises(CommandError, match="does not link libcuda.so.1"):
+        image.build_bundle(ctx, ctx.config.image, engine, tmp_path / "out")
+    assert [c[1].split(":")[0] for c in engine.calls if c[0] == "build"] == ["sm12x-bundle-builder"]
 
 
 def test_a_failed_check_is_a_verify_error(ctx, engine, tmp_path, monkeypatch):
@@ -620,6 +642,6 @@ def test_missing_base_image(daemon, tmp_path, capsys):
 
 @pytest.mark.docker
 def test_builder_failure_is_a_command_error(daemon, standin_base, tmp_path):
-    builder = image.BuilderPlan(daemon.image_id(standin_base), {"csrc/cumem_allocator.cpp": b"not C++\n"})
+    builder = native_build.BuilderPlan(daemon.image_id(standin_base), {"csrc/cumem_allocator.cpp": b"not C++\n"})
     with pytest.raises(CommandError, match="cumem_allocator.cpp"):
-        image.build_cumem(daemon, builder, tmp_path / "builder", Progress.quiet())
+        native_build.build_in_builder(daemon, builder, tmp_path / "builder", Progress.quiet())

@@ -27,7 +27,7 @@ from sm12x_bundle import engine as engine_mod
 from sm12x_bundle.cli import main
 from sm12x_bundle.config import TargetConfig, parse
 from sm12x_bundle.errors import ApplyError, ConfigError, EngineError, SeriesError, VerifyError
-from sm12x_bundle.outputs import overlay
+from sm12x_bundle.outputs import manifest, native_build, overlay
 from sm12x_bundle.progress import Progress
 from sm12x_bundle.series.patch import load_series
 
@@ -201,13 +201,14 @@ def test_plan_refuses_what_an_overlay_cannot_carry(tmp_path, changes, builds, me
 
 
 def test_container_paths_and_module_names():
-    assert overlay.container_path(OPT, "vllm/device_allocator/cumem.py") == f"{OPT}/device_allocator/cumem.py"
-    assert overlay.module_name(OPT, f"{OPT}/device_allocator/cumem.py") == "vllm.device_allocator.cumem"
-    assert overlay.module_name(OPT, f"{OPT}/x/__init__.py") == "vllm.x"
-    assert overlay.normal_root("/opt/vllm/vllm/", "t") == OPT
+    assert manifest.container_path(OPT, "vllm/device_allocator/cumem.py") == f"{OPT}/device_allocator/cumem.py"
+    assert manifest.module_name(OPT, f"{OPT}/device_allocator/cumem.py") == "vllm.device_allocator.cumem"
+    assert manifest.module_name(OPT, f"{OPT}/x/__init__.py") == "vllm.x"
+    assert manifest.module_name(OPT, f"{OPT}/cumem_allocator.abi3.so") == "vllm.cumem_allocator"
+    assert manifest.normal_root("/opt/vllm/vllm/", "t") == OPT
     for bad in ("opt/vllm", "/", "/../"):
         with pytest.raises(ConfigError, match="absolute"):
-            overlay.normal_root(bad, "t")
+            manifest.normal_root(bad, "t")
 
 
 # --- where vLLM is, and what the image carries ----------------------------------------
@@ -563,11 +564,11 @@ def test_verify_script_catches_stale_bytecode(tmp_path):
 
 def test_image_cuda_must_match_the_headers():
     side = overlay.ImageSide("img", "id", ROOT, {"torch": "2.9.0+cu129"}, lambda p: {})
-    assert overlay.image_cuda(side.versions) == "12.9"
-    overlay.check_cuda_match(side, "12.8")
-    with pytest.raises(Exception, match="CUDA 12.9"):
-        overlay.check_cuda_match(side, "13.0")
-    overlay.check_cuda_match(overlay.ImageSide("img", "id", ROOT, {"torch": "2.9.0"}, lambda p: {}), "13.0")
+    assert native_build.image_cuda(side.versions) == "12.9"
+    native_build.check_cuda_match(side.versions, "12.8", side.label)
+    with pytest.raises(ConfigError, match="image img runs CUDA 12.9"):
+        native_build.check_cuda_match(side.versions, "13.0", side.label)
+    native_build.check_cuda_match({"torch": "2.9.0"}, "13.0", side.label)
 
 
 # --- the real pinned tree, no daemon -------------------------------------------------
@@ -635,3 +636,22 @@ def test_pinned_overlay_passes_the_in_image_checks_here(tmp_path, series, pinned
 def test_pinned_target_needs_a_root_without_docker(pinned_source):
     with pytest.raises(ConfigError, match="no root"):
         overlay.pinned_side(TargetConfig(name="t", image="i", pinned=True), pinned_source)
+
+
+def test_make_and_write_verifies_what_it_read_from_images(project, tmp_path):
+    """What `build` calls: all config targets, verified in their images when a daemon answers."""
+    from sm12x_bundle.config import load
+    from sm12x_bundle.context import Context
+
+    engine = project({"0001-a.patch": change("value_20 = 20\n", "value_20 = 0\n")}, TWO_TARGETS)
+    engine.images |= {"img:a": image_with(python_root=ROOT), "img:b": image_with(OPT)}
+    ctx = Context(load(tmp_path / "sm12x-bundle.yaml"), Progress.quiet())
+    written = overlay.make_and_write(ctx)
+    assert [(ov.target, folder.parent) for ov, folder in written] == [("a", Path("overlays/a")), ("b", Path("overlays/b"))]
+    assert sum(r[2] == overlay.VERIFY_SCRIPT for r in engine.runs) == 2
+    again = overlay.make_and_write(ctx, [ctx.config.target("a")], verify=False, out=tmp_path / "elsewhere")
+    assert again[0][1] == tmp_path / "elsewhere" / "a" / written[0][0].content_hash
+    assert sum(r[2] == overlay.VERIFY_SCRIPT for r in engine.runs) == 2  # verify=False: not checked
+    engine.reachable = False
+    with pytest.raises(EngineError, match="does not answer"):
+        overlay.make_and_write(ctx)  # targets that are not pinned need the daemon

@@ -99,14 +99,17 @@ def test_overlay_patches_the_images_own_file(official_overlay, standin_official,
     assert f"{folder}" in stdout
 
 
-def test_native_extension_is_rebuilt_and_loads_in_the_image(official_overlay, standin_official):
+def test_native_extension_is_rebuilt_and_loads_in_the_image(official_overlay, standin_official, daemon):
     out, _, stderr = official_overlay
     folder, m = current(out, overlay.target_name_for(standin_official.ref))
     so = next(f for f in m["files"] if f["container_path"].endswith("/cumem_allocator.abi3.so"))
     assert so["pre_image_sha256"] is None  # the stand-in carries vLLM's Python files only
     assert so["patches"] == ["cumem-error-code-reset"] and so["mode"] == "0755"
     record = m["native"][so["container_path"]]
-    assert record["built_on"] == "host" and "libcuda.so.1" in record["links"]
+    # a daemon and a real image: built in a builder container started from the image itself
+    assert record["built_on"].startswith("builder image sha256:") and "libcuda.so.1" in record["links"]
+    assert record["builder_base"] == daemon.image_id(standin_official.ref)
+    assert record["built_from"]["vllm"] == "0.21.0" and record["built_from"]["patches"] == ["cumem-error-code-reset"]
     assert f"{so['container_path']}: loads as vllm.cumem_allocator" in stderr
 
 
@@ -124,7 +127,10 @@ def test_verify_checks_hashes_compile_and_bytecode_in_the_image(official_overlay
 
 
 def test_image_and_pinned_tree_give_the_same_files(official_overlay, standin_official, series, pinned_source):
-    """The stand-in carries the pinned release unchanged: both paths must agree byte for byte."""
+    """The stand-in carries the pinned release unchanged: both paths must agree byte for byte
+    on the Python files. The extension is the same build of the same patched source, but
+    compiled where each path builds it (the image's builder container; the host for the
+    pinned tree), so only its sha256 may differ."""
     out, _, _ = official_overlay
     _, m = current(out, overlay.target_name_for(standin_official.ref))
     t = TargetConfig(name="p", image="x", root=OFFICIAL_VLLM_ROOT, pinned=True)
@@ -132,7 +138,16 @@ def test_image_and_pinned_tree_give_the_same_files(official_overlay, standin_off
     pin = {"version": "0.21.0", "sha256": pinned_source.sha256}
     plan = overlay.plan_series(series)
     ov = overlay.make_overlay(t, series, plan, side, lambda v: pinned_source, pin, Progress.quiet())
-    assert ov.content_hash == m["content_hash"]
+    mine = json.loads(ov.manifest_bytes())
+    so = f"{OFFICIAL_VLLM_ROOT}/cumem_allocator.abi3.so"
+    assert [f for f in mine["files"] if f["container_path"] != so] == [
+        f for f in m["files"] if f["container_path"] != so
+    ]
+    [a], [b] = ([{k: v for k, v in f.items() if k != "sha256"} for f in d["files"] if f["container_path"] == so]
+                for d in (mine, m))
+    assert a == b
+    assert mine["native"][so]["built_from"] == m["native"][so]["built_from"]
+    assert mine["native"][so]["built_on"] == "host"
 
 
 def test_overlay_at_the_opt_root_verifies(workdir, standin_opt, capsys):

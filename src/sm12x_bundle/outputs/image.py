@@ -7,8 +7,10 @@ built. :func:`plan_bundle` turns the config, the series and that answer into a
 :class:`BundlePlan` without touching an engine; :func:`builder_context` and
 :func:`bundle_context` render the two build contexts from it (``--dry-run`` prints
 them). :func:`build_bundle` builds them (the cumem extension alone in
-docker/Dockerfile.builder, then docker/Dockerfile.bundle) and :func:`verify_bundle`
-checks the result in a container with no network.
+docker/Dockerfile.builder, the one native build both outputs use (native_build.py), then
+docker/Dockerfile.bundle) and :func:`verify_bundle` checks the result in a container with
+no network, with the same in-image check as overlays (manifest.py). The manifest in the
+image has the overlays' schema.
 """
 
 from __future__ import annotations
@@ -16,42 +18,46 @@ from __future__ import annotations
 import argparse
 import calendar
 import dataclasses
-import hashlib
 import json
 import os
-import posixpath
 import re
 import shlex
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from .. import native
 from ..config import ImageConfig
 from ..context import Context
 from ..engine import OFFICIAL_VLLM_ROOT, Engine, docker_engine, probe_vllm
 from ..errors import ConfigError, SeriesError, VerifyError
-from ..fsutil import replace_dir
-from ..progress import Progress
 from ..series.apply import FileText
 from ..series.patch import Series
 from ..source.pin import SourceTree
-from .overlay import content_hash  # one definition for overlays and the image
+from . import native_build
+from .dockerfile import ContextFiles, fill, template, write_context
+from .manifest import (
+    VERIFY_SCRIPT,
+    InstalledFile,
+    container_path,
+    installed_paths,
+    manifest_bytes,
+    parse_verify,
+    plan_series,
+    read_or_none,
+    sha256_of,
+    verify_spec,
+)
+from .manifest import manifest as manifest_document
+from .native_build import NativePlan, builder_context
 from .tree import patched_files
 
 DOC_DIR = "/usr/share/doc/sm12x-bundle"
 OCI = "org.opencontainers.image."
 PROJECT_LABEL = "org.sm12x-bundle.bundle"
 NATIVE_ARTIFACT = "vllm/" + native.ARTIFACT
-# Where Dockerfile.builder leaves the extension inside the builder image.
-BUILDER_OUT = "/sm12x-build/out/" + native.ARTIFACT
-# The tool's own modules the builder needs to run native.py's compiler line.
-_BUILDER_LIB = ("__init__.py", "native.py", "cmd.py", "errors.py")
-
-# A build context in memory: relative path -> (bytes, mode). None: made by the builder.
-ContextFiles = dict[str, tuple[bytes | None, int]]
 
 
 # --- the base image ------------------------------------------------------------------
@@ -70,29 +76,6 @@ class BaseImage:
     pre_images: dict[str, bytes | None]  # vllm/... path -> the base's bytes (None: absent)
     labels: dict[str, str] = field(default_factory=dict)
     bytecode: dict[str, list[str]] | None = None  # vllm/... path -> its .pyc; None: not asked
-
-
-def image_paths(series: Series) -> dict[str, tuple[str, ...]]:
-    """Every file the bundle installs (``vllm/...``) -> the ids of the patches behind it."""
-    out: dict[str, list[str]] = {}
-    for patch in series.patches:
-        if patch.kind == "native":
-            if patch.builds != NATIVE_ARTIFACT:
-                raise SeriesError(
-                    f"{patch.file}: Sm12x-Builds is {patch.builds!r}; only {NATIVE_ARTIFACT} "
-                    "can be rebuilt alone (see native.py)"
-                )
-            targets = [NATIVE_ARTIFACT]
-        else:
-            targets = [p for p in patch.paths if p.startswith("vllm/")]
-        for target in targets:
-            out.setdefault(target, []).append(patch.id)
-    return {path: tuple(ids) for path, ids in out.items()}
-
-
-def container_path(root: str, path: str) -> str:
-    """``vllm/x/y.py`` inside an image whose vLLM package folder is ``root``."""
-    return root.rstrip("/") + path[len("vllm") :]
 
 
 def _reference(cfg: ImageConfig) -> str:
@@ -133,16 +116,8 @@ def pinned_base(cfg: ImageConfig, source: SourceTree, paths: list[str]) -> BaseI
         root=root,
         versions={"vllm": source.version, "torch": None, "triton": None, "flashinfer": None, "deep_gemm": None},
         import_error="not asked (dry run)",
-        pre_images={path: _read(source.root / path) for path in paths},
+        pre_images={path: read_or_none(source.root / path) for path in paths},
     )
-
-
-def _read(path: Path) -> bytes | None:
-    return path.read_bytes() if path.is_file() else None
-
-
-def _sha(data: bytes | None) -> str | None:
-    return hashlib.sha256(data).hexdigest() if data is not None else None
 
 
 def check_skew(base: BaseImage, source: SourceTree, paths: list[str]) -> None:
@@ -152,12 +127,12 @@ def check_skew(base: BaseImage, source: SourceTree, paths: list[str]) -> None:
     """
     skewed = []
     for path in sorted(p for p in paths if p != NATIVE_ARTIFACT):
-        pinned, found = _read(source.root / path), base.pre_images.get(path)
+        pinned, found = read_or_none(source.root / path), base.pre_images.get(path)
         if pinned != found:
             where = container_path(base.root, path)
             skewed.append(
-                f"{where} ({'absent' if found is None else 'sha256 ' + _sha(found)[:12]} in the image, "
-                f"{'absent' if pinned is None else 'sha256 ' + _sha(pinned)[:12]} in vLLM {source.version}'s {path})"
+                f"{where} ({'absent' if found is None else 'sha256 ' + sha256_of(found)[:12]} in the image, "
+                f"{'absent' if pinned is None else 'sha256 ' + sha256_of(pinned)[:12]} in vLLM {source.version}'s {path})"
             )
     if skewed:
         says = base.versions.get("vllm")
@@ -174,44 +149,28 @@ def check_skew(base: BaseImage, source: SourceTree, paths: list[str]) -> None:
 
 
 @dataclass(frozen=True)
-class BundleFile:
-    path: str  # vllm/... inside the package
-    container_path: str
-    data: bytes | None  # None: the builder makes it
-    mode: int
-    patches: tuple[str, ...]
-    pre_image_sha256: str | None
-
-    @property
-    def sha256(self) -> str | None:
-        return _sha(self.data)
-
-
-@dataclass(frozen=True)
-class BuilderPlan:
-    """Dockerfile.builder's inputs: where the extension is built, and from what."""
-
-    base: str  # the image it is built in (the bundle's base, by id, unless configured)
-    sources: dict[str, bytes]  # csrc/... -> bytes: the patched source and its headers
-    setup: str | None = None  # shell line run before compiling
-    cuda_home: str = "/usr/local/cuda"
-
-
-@dataclass(frozen=True)
 class BundlePlan:
     tag: str
     base: BaseImage
-    files: tuple[BundleFile, ...]
-    builder: BuilderPlan | None  # None: no native patch, nothing to build
+    files: tuple[InstalledFile, ...]
+    native: NativePlan | None  # None: no native patch, nothing to build
     doc: dict[str, bytes]  # the series and each patch, by file name
     labels: dict[str, str]
     pin: dict[str, str | None]
     series_sha256: str
     created: int  # seconds since the epoch: SOURCE_DATE_EPOCH, else the newest Last-Update
+    built: dict[str, dict[str, Any]] = field(default_factory=dict)  # container path -> how it was built
 
-    def with_artifact(self, path: str, data: bytes) -> BundlePlan:
+    @property
+    def builder(self) -> native_build.BuilderPlan | None:
+        return self.native.builder if self.native else None
+
+    def with_artifact(self, path: str, data: bytes, record: dict[str, Any] | None = None) -> BundlePlan:
         files = tuple(dataclasses.replace(f, data=data) if f.path == path else f for f in self.files)
-        return dataclasses.replace(self, files=files)
+        built = dict(self.built)
+        if record is not None:
+            built[next(f.container_path for f in files if f.path == path)] = record
+        return dataclasses.replace(self, files=files, built=built)
 
 
 def created_epoch(series: Series, env: Mapping[str, str]) -> int:
@@ -247,24 +206,6 @@ def bundle_labels(
     return dict(sorted({**cleared, **ours}.items()))
 
 
-def native_sources(changes: Mapping[str, FileText | None], source: SourceTree) -> dict[str, bytes]:
-    """The patched extension source and the local headers it includes, for the builder."""
-    out: dict[str, bytes] = {}
-    todo = [str(native.SOURCE)]
-    while todo:
-        path = todo.pop()
-        if path in out:
-            continue
-        text = changes.get(path)
-        data = text.to_bytes() if text is not None else _read(source.root / path)
-        if data is None:
-            raise SeriesError(f"{path} is missing from vLLM {source.version}: the extension cannot be built")
-        out[path] = data
-        for inc in re.findall(rb'^\s*#\s*include\s+"([^"]+)"', data, re.M):
-            todo.append(posixpath.normpath(posixpath.join(posixpath.dirname(path), inc.decode())))
-    return dict(sorted(out.items()))
-
-
 def plan_bundle(
     cfg: ImageConfig,
     series: Series,
@@ -276,7 +217,7 @@ def plan_bundle(
     """Everything the build will do, decided before anything runs."""
     env = os.environ if env is None else env
     files = []
-    for path, ids in sorted(image_paths(series).items()):
+    for path, ids in sorted(installed_paths(series).items()):
         if path == NATIVE_ARTIFACT:
             data, mode = None, 0o755
         else:
@@ -285,18 +226,20 @@ def plan_bundle(
                 raise SeriesError(f"{path}: the series deletes it; the bundle image cannot delete files")
             data, mode = text.to_bytes(), text.mode
         cp = container_path(base.root, path)
-        files.append(BundleFile(path, cp, data, mode, ids, _sha(base.pre_images.get(path))))
+        files.append(InstalledFile(path, cp, data, mode, ids, sha256_of(base.pre_images.get(path))))
     pin = {"version": source.version, "sha256": source.sha256}
     created = created_epoch(series, env)
+    # Built in the base itself (or the configured builder image): native_build.py decides.
+    builder_base = cfg.builder_base or base.ref
+    natives = [
+        native_build.plan_native(series, b, source, builder_base, setup=cfg.builder_setup, cuda_home=cfg.cuda_home)
+        for b in plan_series(series).native
+    ]
     return BundlePlan(
         tag=cfg.tag,
         base=base,
         files=tuple(files),
-        builder=BuilderPlan(
-            cfg.builder_base or base.ref, native_sources(changes, source), cfg.builder_setup, cfg.cuda_home
-        )
-        if NATIVE_ARTIFACT in image_paths(series)
-        else None,
+        native=next((n for n in natives if n is not None), None),
         doc={series.file.name: series.file.read_bytes(), **{p.file.name: p.text.encode() for p in series.patches}},
         labels=bundle_labels(cfg, series, pin, base, created),
         pin=pin,
@@ -308,25 +251,6 @@ def plan_bundle(
 # --- rendering -----------------------------------------------------------------------
 
 
-def template(name: str) -> str:
-    """docker/<name>: packaged with the tool (_docker/), or in the checkout."""
-    packaged = resources.files("sm12x_bundle").joinpath(f"_docker/{name}")
-    if packaged.is_file():
-        return packaged.read_text("utf-8")
-    checkout = Path(__file__).resolve().parents[3] / "docker" / name
-    if checkout.is_file():
-        return checkout.read_text("utf-8")
-    raise ConfigError(f"docker/{name} not found: the tool is installed without its Dockerfiles")
-
-
-def fill(text: str, values: Mapping[str, str]) -> str:
-    """Replace every field written between @ signs; refuse a field without a value."""
-    missing = sorted(set(re.findall(r"@([A-Z_]+)@", text)) - set(values))
-    if missing:
-        raise ConfigError(f"Dockerfile template field(s) {', '.join(missing)} have no value")
-    return re.sub(r"@([A-Z_]+)@", lambda m: values[m.group(1)], text)
-
-
 def _quoted(value: str) -> str:
     """A Dockerfile double-quoted word that stays exactly ``value`` (no $ expansion)."""
     if "\n" in value:
@@ -336,14 +260,6 @@ def _quoted(value: str) -> str:
 
 def _continued(items: list[str]) -> str:
     return " \\\n      ".join(items)
-
-
-def builder_dockerfile(builder: BuilderPlan) -> str:
-    setup = f"RUN {builder.setup}" if builder.setup else "# (no builder setup: the base has a compiler)"
-    return fill(
-        template("Dockerfile.builder"),
-        {"BUILDER_BASE": builder.base, "BUILDER_SETUP": setup, "CUDA_HOME": shlex.quote(builder.cuda_home)},
-    )
 
 
 def _drop_stale_bytecode(plan: BundlePlan) -> str:
@@ -369,80 +285,29 @@ def bundle_dockerfile(plan: BundlePlan) -> str:
     )
 
 
-def builder_context(builder: BuilderPlan) -> ContextFiles:
-    """Dockerfile, csrc/ (the patched extension source), lib/sm12x_bundle/ (native.py)."""
-    pkg = Path(native.__file__).parent
-    files: ContextFiles = {"Dockerfile": (builder_dockerfile(builder).encode(), 0o644)}
-    files.update({path: (data, 0o644) for path, data in builder.sources.items()})
-    files.update({f"lib/sm12x_bundle/{n}": ((pkg / n).read_bytes(), 0o644) for n in _BUILDER_LIB})
-    return files
-
-
-def manifest(plan: BundlePlan) -> dict:
-    """The overlay manifest's schema (docs/design.md), for the files the image replaces."""
-    files = sorted(plan.files, key=lambda f: f.container_path)
-    entries = [
-        {
-            "container_path": f.container_path,
-            "source": "files/" + f.container_path.lstrip("/"),
-            "pre_image_sha256": f.pre_image_sha256,
-            "sha256": f.sha256,
-            "patches": list(f.patches),
-            "mode": f"{f.mode:04o}",
-        }
-        for f in files
-    ]
-    return {
-        "schema": 1,
-        "target": plan.tag,
-        "image": plan.base.name,
-        "image_id": plan.base.ref,
-        "vllm_root": plan.base.root,
-        "versions": plan.base.versions,
-        "pin": plan.pin,
-        "series_sha256": plan.series_sha256,
-        "content_hash": content_hash(files),
-        "files": entries,
-    }
-
-
-def manifest_bytes(plan: BundlePlan) -> bytes:
-    return (json.dumps(manifest(plan), sort_keys=True, indent=2) + "\n").encode()
+def manifest(plan: BundlePlan) -> dict[str, Any]:
+    """The overlays' manifest (docs/design.md), for the files the image replaces."""
+    return manifest_document(
+        target=plan.tag,
+        image=plan.base.name,
+        image_id=plan.base.ref,
+        vllm_root=plan.base.root,
+        versions=plan.base.versions,
+        pin=plan.pin,
+        series_sha256=plan.series_sha256,
+        files=plan.files,
+        native=plan.built,
+    )
 
 
 def bundle_context(plan: BundlePlan) -> ContextFiles:
     """Dockerfile and files/: the patched files and the doc folder at their paths in the image."""
     doc = "files/" + DOC_DIR.lstrip("/")
     files: ContextFiles = {"Dockerfile": (bundle_dockerfile(plan).encode(), 0o644)}
-    files.update({"files/" + f.container_path.lstrip("/"): (f.data, f.mode) for f in plan.files})
+    files.update({f.source: (f.data, f.mode) for f in plan.files})
     files.update({f"{doc}/{name}": (data, 0o644) for name, data in plan.doc.items()})
-    files[f"{doc}/manifest.json"] = (manifest_bytes(plan), 0o644)
+    files[f"{doc}/manifest.json"] = (manifest_bytes(manifest(plan)), 0o644)
     return dict(sorted(files.items()))
-
-
-def write_context(files: ContextFiles, dest: Path, epoch: int) -> Path:
-    """Write a context atomically, every mtime set to ``epoch`` (COPY keeps mtimes)."""
-    with replace_dir(dest) as staging:
-        for rel, (data, mode) in files.items():
-            if data is None:
-                raise VerifyError(f"{rel} has no content yet: the builder has not made it")
-            path = staging / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data)
-            path.chmod(mode)
-        for path in sorted(staging.rglob("*"), reverse=True):
-            if path.is_dir():
-                path.chmod(0o755)
-            os.utime(path, (epoch, epoch))
-        os.utime(staging, (epoch, epoch))
-    return dest
-
-
-def context_digest(files: ContextFiles) -> str:
-    h = hashlib.sha256()
-    for rel, (data, mode) in sorted(files.items()):
-        h.update(f"{rel}\0{mode:o}\0".encode() + (data or b"") + b"\0")
-    return h.hexdigest()
 
 
 def listing(files: ContextFiles) -> str:
@@ -452,28 +317,11 @@ def listing(files: ContextFiles) -> str:
         if data is None:
             rows.append(f"  {mode:04o} {'-':>9}  {'(built by Dockerfile.builder)':<16}  {rel}")
         else:
-            rows.append(f"  {mode:04o} {len(data):>9}  {_sha(data)[:16]:<16}  {rel}")
+            rows.append(f"  {mode:04o} {len(data):>9}  {sha256_of(data)[:16]:<16}  {rel}")
     return "\n".join(rows)
 
 
 # --- execution -----------------------------------------------------------------------
-
-
-def build_cumem(engine: Engine, builder: BuilderPlan, workdir: Path, progress: Progress) -> bytes:
-    """Build the cumem extension alone (Dockerfile.builder in ``builder.base``); return it.
-
-    The builder image is tagged by its context's digest, so the same sources on the same
-    base build once. Public so that overlays can build in a target image the same way.
-    """
-    files = builder_context(builder)
-    tag = f"sm12x-bundle-builder:{context_digest(files)[:16]}"
-    write_context(files, workdir, 0)
-    progress.say(f"building {native.ARTIFACT} alone in {builder.base} ({tag})")
-    engine.build(workdir, "Dockerfile", tag, {}, progress)
-    data = engine.read_files(tag, [BUILDER_OUT])[BUILDER_OUT]
-    if not data:
-        raise VerifyError(f"the builder image {tag} holds no {BUILDER_OUT}")
-    return data
 
 
 @dataclass(frozen=True)
@@ -491,7 +339,7 @@ def plan_from_base(ctx: Context, cfg: ImageConfig, engine: Engine | None) -> Bun
     """Inspect the base (or, with no engine, take the pinned tree's word) and plan."""
     source = ctx.source()
     _, changes = patched_files(ctx.series, source, ctx.config.check.fuzz)
-    paths = sorted(image_paths(ctx.series))
+    paths = sorted(installed_paths(ctx.series))
     if engine is None:
         base = pinned_base(cfg, source, paths)
     else:
@@ -505,9 +353,10 @@ def build_bundle(ctx: Context, cfg: ImageConfig, engine: Engine, out: Path, push
     """Check the base, build the extension, build the bundle, verify it, push it if asked."""
     progress = ctx.progress
     plan = plan_from_base(ctx, cfg, engine)
-    if plan.builder is not None:
-        data = build_cumem(engine, plan.builder, out / "builder", progress)
-        plan = plan.with_artifact(NATIVE_ARTIFACT, data)
+    if plan.native is not None:
+        label = f"base image {plan.base.name}"
+        art = native_build.build_native(plan.native, engine, plan.base.versions, label, out / "builder", progress)
+        plan = plan.with_artifact(art.artifact, art.data, art.record)
     write_context(bundle_context(plan), out / "bundle", plan.created)
     progress.say(f"building {plan.tag} on {plan.base.name} ({plan.base.ref[:19]})")
     image_id = engine.build(out / "bundle", "Dockerfile", plan.tag, {}, progress)
@@ -517,71 +366,21 @@ def build_bundle(ctx: Context, cfg: ImageConfig, engine: Engine, out: Path, push
     return BundleResult(plan.tag, image_id, plan, checked, compiled, imported, out)
 
 
-_VERIFY = r"""
-import hashlib, importlib, json, os, py_compile, sys, tempfile
-doc, want = sys.argv[1], json.loads(sys.argv[2])
-def sha(path):
-    if not os.path.isfile(path):
-        return None
-    with open(path, "rb") as fh:
-        return hashlib.sha256(fh.read()).hexdigest()
-problems, compiled, imported = [], 0, []
-for name, digest in sorted(want["doc"].items()):
-    got = sha(os.path.join(doc, name))
-    if got != digest:
-        problems.append(f"{doc}/{name}: sha256 {got}, expected {digest}")
-with open(os.path.join(doc, "manifest.json")) as fh:
-    files = json.load(fh)["files"]
-tmp = tempfile.mkdtemp()
-for f in files:
-    path = f["container_path"]
-    got = sha(path)
-    if got != f["sha256"]:
-        problems.append(f"{path}: sha256 {got}, expected {f['sha256']}")
-        continue
-    mode = "%04o" % (os.stat(path).st_mode & 0o777)
-    if mode != f["mode"]:
-        problems.append(f"{path}: mode {mode}, expected {f['mode']}")
-    if path.endswith(".py"):
-        try:
-            py_compile.compile(path, cfile=os.path.join(tmp, "check.pyc"), doraise=True)
-            compiled += 1
-        except py_compile.PyCompileError as exc:
-            problems.append(f"{path}: does not compile: {exc.msg}")
-for module in want["modules"]:
-    try:
-        importlib.import_module(module)
-        imported.append(module)
-    except BaseException as exc:
-        problems.append(f"import {module}: {type(exc).__name__}: {exc}")
-print("SM12X-VERIFY " + json.dumps({"problems": problems, "checked": len(files), "compiled": compiled, "imported": imported}))
-"""
-
-
-def module_name(root: str, path: str) -> str:
-    """The module a file under the vLLM package folder is imported as."""
-    rel = posixpath.relpath(path, posixpath.dirname(root))[: -len(".py")]
-    return rel.replace("/", ".").removesuffix(".__init__")
-
-
 def verify_bundle(engine: Engine, plan: BundlePlan, ref: str) -> tuple[int, int, tuple[str, ...]]:
-    """Run the built image with no network: hashes, modes, compile, import; then labels."""
-    modules = [module_name(plan.base.root, f.container_path) for f in plan.files if f.container_path.endswith(".py")]
-    docs = {name: _sha(data) for name, data in plan.doc.items()}
-    docs["manifest.json"] = _sha(manifest_bytes(plan))
-    want = {"doc": docs, "modules": modules if plan.base.import_error is None else []}
-    code, out = engine.run(ref, ["python3", "-c", _VERIFY, DOC_DIR, json.dumps(want)], timeout=600)
-    lines = [line for line in out.splitlines() if line.startswith("SM12X-VERIFY ")]
-    if code != 0 or not lines:
-        raise VerifyError(f"image {ref}: the check did not run (exit code {code}): {out.strip()[-500:]}")
-    result = json.loads(lines[-1].split(" ", 1)[1])
-    if result["problems"]:
-        raise VerifyError(f"image {ref} failed its check: " + "; ".join(result["problems"]))
+    """Run the built image with no network: the overlays' in-image check of every file in
+    the manifest (hash, mode, compile, the base's bytecode, import where the base imports
+    vLLM) and of the doc folder's hashes; then the labels."""
+    document = manifest(plan)
+    docs = {f"{DOC_DIR}/{name}": sha256_of(data) for name, data in plan.doc.items()}
+    docs[f"{DOC_DIR}/manifest.json"] = sha256_of(manifest_bytes(document))
+    spec = verify_spec(document, modules=plan.base.import_error is None, native=False, extra=docs)
+    code, out = engine.run(ref, ["python3", "-c", VERIFY_SCRIPT, json.dumps(spec)], timeout=600)
+    report = parse_verify(f"bundle {plan.tag}", ref, code, out)
     labels = engine.image_labels(ref)
     wrong = [k for k, v in plan.labels.items() if labels.get(k) != v]
     if wrong:
         raise VerifyError(f"image {ref}: label(s) {', '.join(wrong)} differ from the plan")
-    return result["checked"], result["compiled"], tuple(result["imported"])
+    return report.checked, report.compiled, report.imported
 
 
 # --- the command ---------------------------------------------------------------------
@@ -616,7 +415,7 @@ def _dry_run(ctx: Context, cfg: ImageConfig, out: Path) -> int:
 
 def cmd_image(ctx: Context, args: argparse.Namespace) -> int:
     cfg = _config(ctx, args)
-    out = Path(args.out) if args.out else ctx.config.resolve(ctx.config.output.dir) / "image"
+    out = Path(args.out) if args.out else Path(ctx.config.output.dir) / "image"
     if args.dry_run:
         return _dry_run(ctx, cfg, out)
     result = build_bundle(ctx, cfg, docker_engine(), out, push=args.push or cfg.push)

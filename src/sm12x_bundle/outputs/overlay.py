@@ -16,116 +16,64 @@ Three steps, each testable alone:
   own bytecode cannot shadow an overlaid file, and the image's originals are the recorded
   pre-images (otherwise refused).
 
-The native artifact (``vllm/cumem_allocator.abi3.so``) is rebuilt on the host, never in a
-container: it uses only Python's stable ABI and the CUDA driver API, so the host's compiler
-and CUDA headers build it for any image whose Python is >= 3.8 and whose CUDA major matches
-the headers (checked), and ``verify`` loads it in the image's own Python. That works without
-a Docker daemon, which the default target needs on a fresh machine, and gives the same bytes
-on every run; :func:`build_native` is the whole recipe, for any other output that ships it.
+The native artifact (``vllm/cumem_allocator.abi3.so``) is built the one way both outputs
+build it (native_build.py): in a builder container from docker/Dockerfile.builder started
+from the target image when the overlay is read from an image, on the host only for a target
+made from the pinned tree without one. ``verify`` loads it in the image's own Python.
+The plan, the paths and the manifest are shared with the bundle image (manifest.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import os
-import posixpath
 import re
-import shutil
-import sysconfig
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import cmd, native
-from ..checks.check import Conflict, Outcome, classify
 from ..config import Config, TargetConfig
-from ..errors import ApplyError, CommandError, ConfigError, EngineError, SeriesError, VerifyError
+from ..errors import ApplyError, ConfigError, EngineError, VerifyError
 from ..fsutil import replace_dir, write_file
 from ..progress import Progress
 from ..series.apply import VirtualTree
 from ..series.patch import Series
 from ..source import cache as cache_mod
 from ..source.pin import SourceTree
-
-SCHEMA = 1
-VERSION_KEYS = ("vllm", "torch", "triton", "flashinfer", "deep_gemm")
+from . import native_build
+from .manifest import (
+    SCHEMA,
+    VERIFY_SCRIPT,
+    VERSION_KEYS,
+    InstalledFile,
+    SeriesPlan,
+    Verified,
+    apply_subseries,
+    container_path,
+    content_hash,
+    manifest_bytes,
+)
+from .manifest import manifest as manifest_document
+from .manifest import (
+    normal_root,
+    parse_verify,
+    plan_series,
+    sha256_of,
+    verify_spec,
+)
 # Overlaid files get mtimes in the first 194 days of 2000 (before vLLM existed), derived
 # from their content: never the image original's mtime, and never the mtime of another
 # version of the same overlay (a persistent PYTHONPYCACHEPREFIX keeps bytecode keyed on
 # mtime and size, so two versions of one size must differ in mtime).
 MTIME_BASE = 946684800
-# What each native artifact is built from, alone (tree paths; missing inputs are skipped).
-NATIVE_RECIPES = {
-    f"vllm/{native.ARTIFACT}": (str(native.SOURCE), "csrc/cumem_allocator_compat.h"),
-}
 # Where verify puts what it needs inside the container.
 _PYCACHE = "/tmp/sm12x-verify-pycache"
 _LIBDIR = "/sm12x-verify/lib"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
-
-
-# --- what the series overlays (pure) -------------------------------------------------
-
-
-@dataclass(frozen=True)
-class NativeBuild:
-    artifact: str  # tree path of the built file, e.g. vllm/cumem_allocator.abi3.so
-    inputs: tuple[str, ...]  # tree paths it is built from
-    patches: tuple[str, ...]  # the native patches that change it
-
-
-@dataclass(frozen=True)
-class OverlayPlan:
-    files: tuple[str, ...]  # vllm/ paths patched in place, in first-touched order
-    native: tuple[NativeBuild, ...]
-    skipped: tuple[str, ...]  # paths no image holds (tests/, docs/): not overlaid
-
-
-def plan_series(series: Series) -> OverlayPlan:
-    """Which files the series overlays: vllm/ files in place, csrc/ through their artifact."""
-    files: dict[str, None] = {}
-    skipped: dict[str, None] = {}
-    builds: dict[str, list[str]] = {}
-    for patch in series.patches:
-        if patch.kind == "native":
-            builds.setdefault(_recipe_of(patch.builds, patch.file), []).append(patch.id)
-        inputs = NATIVE_RECIPES.get(patch.builds or "", ())
-        for fp in patch.files:
-            if fp.path.startswith("vllm/"):
-                if fp.deleted:
-                    raise SeriesError(f"{patch.file}: deletes {fp.path}: a bind-mount overlay cannot delete a file")
-                files.setdefault(fp.path)
-            elif patch.kind == "native" and fp.path not in inputs:
-                raise SeriesError(f"{patch.file}: changes {fp.path}, which {patch.builds} is not built from")
-            elif patch.kind != "native":
-                skipped.setdefault(fp.path)
-    native_builds = tuple(NativeBuild(a, NATIVE_RECIPES[a], tuple(ids)) for a, ids in builds.items())
-    return OverlayPlan(tuple(files), native_builds, tuple(skipped))
-
-
-def _recipe_of(artifact: str | None, where: Path) -> str:
-    if artifact not in NATIVE_RECIPES:
-        known = ", ".join(NATIVE_RECIPES)
-        raise SeriesError(f"{where}: Sm12x-Builds {artifact!r} cannot be built alone (known: {known})")
-    return artifact
-
-
-def container_path(root: str, tree_path: str) -> str:
-    """``vllm/x/y.py`` -> ``<root>/x/y.py``: the root is the image's ``vllm`` package folder."""
-    assert tree_path.startswith("vllm/"), tree_path
-    return posixpath.join(root, tree_path[len("vllm/") :])
-
-
-def normal_root(root: str, where: str) -> str:
-    norm = posixpath.normpath(root)
-    if not norm.startswith("/") or norm == "/":
-        raise ConfigError(f"{where}: root {root!r} must be an absolute path to the vllm package folder")
-    return norm
 
 
 # --- applying the series to an image's own files (pure but for a temp folder) --------
@@ -136,41 +84,6 @@ class Applied:
     data: bytes
     mode: int
     patches: tuple[str, ...]
-
-
-def apply_subseries(
-    series: Series, tree: VirtualTree, paths: set[str], where: str, shown: Callable[[str], str] = str
-) -> tuple[dict[str, list[str]], list[str]]:
-    """Apply, in series order, only the file patches touching ``paths`` (fuzz 0).
-
-    Uses the same classification as ``check``: a patch already in the file is skipped,
-    one that conflicts raises ApplyError naming ``where``, the file and the hunk.
-    Returns {path: patch ids applied} and the ids found already there.
-    """
-    applied: dict[str, list[str]] = {}
-    landed: list[str] = []
-    for patch in series.patches:
-        files = tuple(fp for fp in patch.files if fp.path in paths)
-        if not files:
-            continue
-        result = classify(tree, dataclasses.replace(patch, files=files), 0)
-        if result.outcome is Outcome.CONFLICT:
-            assert result.conflict is not None
-            raise _conflict(where, patch.id, result.conflict, shown)
-        if result.outcome is Outcome.LANDED:
-            landed.append(patch.id)
-            continue
-        for fp in files:
-            applied.setdefault(fp.path, []).append(patch.id)
-    return applied, landed
-
-
-def _conflict(where: str, patch_id: str, c: Conflict, shown: Callable[[str], str]) -> ApplyError:
-    return ApplyError(
-        f"{where}: patch {patch_id} does not apply to {shown(c.path)}: hunk #{c.hunk} (line {c.hunk_line}) "
-        "differs (fuzz 0; an overlay never swaps in a whole file from another vLLM version):\n  "
-        + "\n  ".join(c.differs)
-    )
 
 
 def patch_image_files(
@@ -205,6 +118,7 @@ class ImageSide:
     root: str
     versions: dict[str, str | None]
     read: Callable[[list[str]], dict[str, bytes | None]] = field(repr=False)
+    engine: Any = field(default=None, repr=False)  # what it was read through (None: the pinned tree)
 
     @property
     def label(self) -> str:
@@ -245,7 +159,7 @@ def image_side(
         got = _read_image(engine, target.image, rest, store)
         return {p: known[p] if p in known else got[container_path(root, p)] for p in wanted}
 
-    return ImageSide(target.image, image_id, root, versions, read)
+    return ImageSide(target.image, image_id, root, versions, read, engine)
 
 
 def _read_image(engine: Any, ref: str, paths: list[str], store: ImageCache | None) -> dict[str, bytes | None]:
@@ -254,7 +168,7 @@ def _read_image(engine: Any, ref: str, paths: list[str], store: ImageCache | Non
     return store.read(engine, ref, paths) if store else engine.read_files(ref, paths)
 
 
-def wanted_paths(plan: OverlayPlan) -> list[str]:
+def wanted_paths(plan: SeriesPlan) -> list[str]:
     """Every tree path an overlay reads from the image: the package marker and the originals."""
     return list(dict.fromkeys(["vllm/__init__.py", *plan.files, *(b.artifact for b in plan.native)]))
 
@@ -314,172 +228,11 @@ def _read_or_none(path: Path) -> bytes | None:
     return path.read_bytes() if path.is_file() and not path.is_symlink() else None
 
 
-# --- the native artifact, built alone on the host ------------------------------------
-
-
-@dataclass(frozen=True)
-class NativeArtifact:
-    artifact: str
-    data: bytes
-    patches: tuple[str, ...]
-    record: dict[str, Any]  # how it was built, for the manifest
-
-
-def build_native(series: Series, build: NativeBuild, source: SourceTree, work: Path) -> NativeArtifact | None:
-    """Patch ``build``'s inputs in ``source`` and compile them alone; None when nothing changes.
-
-    Compiled from a fixed relative path in a fresh folder, so the bytes depend only on the
-    patched source, the compiler and the CUDA headers, never on where the work happens.
-    """
-    tree = VirtualTree(source.root)
-    where = f"vLLM {source.version} source ({source.origin})"
-    applied, _landed = apply_subseries(series, tree, set(build.inputs), where)
-    if not applied:
-        return None
-    src = work / "src"
-    for rel in build.inputs:
-        text = tree.read(rel)
-        if text is not None:
-            (src / rel).parent.mkdir(parents=True, exist_ok=True)
-            (src / rel).write_bytes(text.to_bytes())
-    data, record = compile_cumem(src, work)
-    patches = tuple(dict.fromkeys(i for ids in applied.values() for i in ids))
-    record["built_from"] = {
-        "vllm": source.version,
-        "sdist_sha256": source.sha256,
-        "files": sorted(p for p in build.inputs if (src / p).is_file()),
-        "patches": list(patches),
-    }
-    return NativeArtifact(build.artifact, data, patches, record)
-
-
-def compile_cumem(src: Path, work: Path) -> tuple[bytes, dict[str, Any]]:
-    """Build ``src``/csrc/cumem_allocator.cpp with native.py's command, against a generated
-    stand-in for libcuda.so.1 (no driver here, and toolkits do not always ship the stub)."""
-    cuda_home = native.find_cuda_home()
-    stub = work / "libcuda"
-    write_libcuda_stub(stub, ())  # empty: only to learn which driver calls the build makes
-    first = _compile(src, work / "probe", cuda_home, stub)
-    calls = driver_calls(first)
-    write_libcuda_stub(stub, calls)
-    built = _compile(src, work / "out", cuda_home, stub)
-    links = _needed(built)
-    if "libcuda.so.1" not in links:
-        raise CommandError(f"{built} does not link libcuda.so.1 (it links {', '.join(links)}): the build is unusable")
-    record = {
-        "built_on": "host",
-        "compiler": _compiler_version(),
-        "cuda_headers": cuda_headers_version(cuda_home),
-        "py_limited_api": "3.8",
-        "python_headers": sysconfig.get_python_version(),
-        "links": links,
-        "requires": _symbol_versions(built),
-    }
-    return built.read_bytes(), record
-
-
-def _compile(src: Path, out: Path, cuda_home: Path, libcuda: Path) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    argv = native.cumem_build_argv(Path("."), out.resolve(), cuda_home=cuda_home, libcuda=libcuda.resolve())
-    cmd.run(argv, cwd=src)
-    return out / native.ARTIFACT
-
-
-def write_libcuda_stub(folder: Path, calls: Sequence[str]) -> Path:
-    """A libcuda.so (soname libcuda.so.1) defining ``calls``: enough to link and to load."""
-    folder.mkdir(parents=True, exist_ok=True)
-    body = "".join(f"void {name}(void) {{}}\n" for name in sorted(calls)) or "void sm12x_stub(void) {}\n"
-    (folder / "stub.c").write_text("/* generated by sm12x-bundle: a stand-in for the CUDA driver */\n" + body)
-    argv = ["g++", "-x", "c", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "stub.c", "-o", "libcuda.so"]
-    cmd.run(argv, cwd=folder)
-    shutil.copyfile(folder / "libcuda.so", folder / "libcuda.so.1")
-    return folder
-
-
-def driver_calls(so: Path) -> list[str]:
-    out = cmd.run(["nm", "-D", "--undefined-only", str(so)], echo=False).stdout
-    names = {line.split()[-1].split("@")[0] for line in out.splitlines() if line.strip()}
-    return sorted(n for n in names if re.fullmatch(r"cu[A-Z]\w*", n))
-
-
-def _symbol_versions(so: Path) -> list[str]:
-    out = cmd.run(["nm", "-D", "--undefined-only", str(so)], echo=False).stdout
-    return sorted({m.group(1) for m in re.finditer(r"@+(GLIBC\w*_[\d.]+)", out)})
-
-
-def _needed(so: Path) -> list[str]:
-    out = cmd.run(["readelf", "-d", str(so)], echo=False).stdout
-    return sorted(re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out))
-
-
-def _compiler_version() -> str:
-    return cmd.run(["g++", "--version"], echo=False).stdout.splitlines()[0].strip()
-
-
-def cuda_headers_version(cuda_home: Path) -> str | None:
-    text = (cuda_home / "include" / "cuda.h").read_text("utf-8", "replace")
-    m = re.search(r"^#define\s+CUDA_VERSION\s+(\d+)", text, re.MULTILINE)
-    return f"{int(m.group(1)) // 1000}.{int(m.group(1)) % 1000 // 10}" if m else None
-
-
-def image_cuda(versions: dict[str, str | None]) -> str | None:
-    """The CUDA an image's torch was built for (``2.9.0+cu130`` -> ``13.0``), when it says."""
-    m = re.search(r"\+cu(\d+)(\d)$", versions.get("torch") or "")
-    return f"{m.group(1)}.{m.group(2)}" if m else None
-
-
-def check_cuda_match(side: ImageSide, headers: str | None) -> None:
-    wanted = image_cuda(side.versions)
-    if wanted and headers and wanted.split(".")[0] != headers.split(".")[0]:
-        raise ConfigError(
-            f"{side.label} runs CUDA {wanted} (torch {side.versions['torch']}) but the CUDA headers here are "
-            f"{headers}: point CUDA_HOME at a CUDA {wanted.split('.')[0]} toolkit to build its cumem extension"
-        )
-
-
 # --- one overlay ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class OverlayFile:
-    container_path: str
-    data: bytes = field(repr=False)
-    pre_image_sha256: str | None
-    patches: tuple[str, ...]
-    mode: int
-
-    @property
-    def sha256(self) -> str:
-        return hashlib.sha256(self.data).hexdigest()
-
-    @property
-    def source(self) -> str:
-        return "files/" + self.container_path.lstrip("/")
-
-    @property
-    def mtime(self) -> int:
-        return overlay_mtime(self.data)
-
-    def entry(self) -> dict[str, Any]:
-        return {
-            "container_path": self.container_path,
-            "source": self.source,
-            "pre_image_sha256": self.pre_image_sha256,
-            "sha256": self.sha256,
-            "patches": list(self.patches),
-            "mode": f"{self.mode:04o}",
-        }
 
 
 def overlay_mtime(data: bytes) -> int:
     return MTIME_BASE + int.from_bytes(hashlib.sha256(data).digest()[:3], "big")
-
-
-def content_hash(files: Sequence[OverlayFile]) -> str:
-    """First 16 hex digits of sha256 over the sorted ``container_path \\0 sha256 \\0 mode``
-    lines, joined by newlines (the bundle image's manifest hashes the same way)."""
-    lines = sorted(f"{f.container_path}\0{f.sha256}\0{f.mode:04o}" for f in files)
-    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -491,7 +244,7 @@ class Overlay:
     versions: dict[str, str | None]
     pin: dict[str, str | None]
     series_sha256: str
-    files: tuple[OverlayFile, ...]
+    files: tuple[InstalledFile, ...]
     native: dict[str, dict[str, Any]] = field(default_factory=dict)  # container path -> build record
 
     @property
@@ -499,22 +252,20 @@ class Overlay:
         return content_hash(self.files)
 
     def manifest(self) -> dict[str, Any]:
-        return {
-            "schema": SCHEMA,
-            "target": self.target,
-            "image": self.image,
-            "image_id": self.image_id,
-            "vllm_root": self.vllm_root,
-            "versions": self.versions,
-            "pin": self.pin,
-            "series_sha256": self.series_sha256,
-            "content_hash": self.content_hash,
-            "files": [f.entry() for f in sorted(self.files, key=lambda f: f.container_path)],
-            "native": self.native,
-        }
+        return manifest_document(
+            target=self.target,
+            image=self.image,
+            image_id=self.image_id,
+            vllm_root=self.vllm_root,
+            versions=self.versions,
+            pin=self.pin,
+            series_sha256=self.series_sha256,
+            files=self.files,
+            native=self.native,
+        )
 
     def manifest_bytes(self) -> bytes:
-        return (json.dumps(self.manifest(), sort_keys=True, indent=2) + "\n").encode()
+        return manifest_bytes(self.manifest())
 
 
 SourceFor = Callable[[str | None], SourceTree]  # None: the pin; else that release's sdist
@@ -523,11 +274,13 @@ SourceFor = Callable[[str | None], SourceTree]  # None: the pin; else that relea
 def make_overlay(
     target: TargetConfig,
     series: Series,
-    plan: OverlayPlan,
+    plan: SeriesPlan,
     side: ImageSide,
     sources: SourceFor,
     pin: dict[str, str | None],
     progress: Progress,
+    builder_setup: str | None = None,
+    cuda_home: str = native_build.DEFAULT_CUDA_HOME,
 ) -> Overlay:
     """Everything one target's overlay holds, in memory (nothing is written)."""
     originals = side.read(wanted_paths(plan))
@@ -536,7 +289,7 @@ def make_overlay(
             f"{side.label} holds no vLLM at {side.root} ({side.root}/__init__.py is missing): fix the target's root"
         )
     files = _patched_files(series, plan, side, originals, progress)
-    native_files, records = _native_files(series, plan, side, originals, sources)
+    native_files, records = _native_files(series, plan, side, originals, sources, progress, builder_setup, cuda_home)
     return Overlay(
         target.name,
         side.ref,
@@ -551,34 +304,45 @@ def make_overlay(
 
 
 def _patched_files(
-    series: Series, plan: OverlayPlan, side: ImageSide, originals: dict[str, bytes | None], progress: Progress
-) -> list[OverlayFile]:
+    series: Series, plan: SeriesPlan, side: ImageSide, originals: dict[str, bytes | None], progress: Progress
+) -> list[InstalledFile]:
     mine = {p: originals[p] for p in plan.files}
     patched, landed = patch_image_files(series, mine, side.label, side.shown)
     for patch_id in landed:
         progress.say(f"overlay {side.ref}: patch {patch_id} is already in the image's files: not applied")
     return [
-        OverlayFile(container_path(side.root, p), a.data, _sha(mine[p]), a.patches, a.mode)
+        InstalledFile(p, container_path(side.root, p), a.data, a.mode, a.patches, sha256_of(mine[p]))
         for p, a in sorted(patched.items())
     ]
 
 
 def _native_files(
-    series: Series, plan: OverlayPlan, side: ImageSide, originals: dict[str, bytes | None], sources: SourceFor
-) -> tuple[list[OverlayFile], dict[str, dict[str, Any]]]:
+    series: Series,
+    plan: SeriesPlan,
+    side: ImageSide,
+    originals: dict[str, bytes | None],
+    sources: SourceFor,
+    progress: Progress,
+    builder_setup: str | None,
+    cuda_home: str,
+) -> tuple[list[InstalledFile], dict[str, dict[str, Any]]]:
+    """The rebuilt extensions: in a builder from the image itself when it was read from one,
+    on the host for the pinned tree (native_build.py decides)."""
     if not plan.native:
         return [], {}
     source = sources(_source_version(side))
-    headers = cuda_headers_version(native.find_cuda_home())
-    check_cuda_match(side, headers)
     files, records = [], {}
     with tempfile.TemporaryDirectory(prefix="sm12x-native-") as tmp:
         for n, build in enumerate(plan.native):
-            art = build_native(series, build, source, Path(tmp) / str(n))
-            if art is None:
+            todo = native_build.plan_native(
+                series, build, source, side.image_id, setup=builder_setup, cuda_home=cuda_home
+            )
+            if todo is None:
                 continue
+            art = native_build.build_native(todo, side.engine, side.versions, side.label, Path(tmp) / str(n), progress)
             path = container_path(side.root, build.artifact)
-            files.append(OverlayFile(path, art.data, _sha(originals[build.artifact]), art.patches, 0o755))
+            pre = sha256_of(originals[build.artifact])
+            files.append(InstalledFile(build.artifact, path, art.data, 0o755, art.patches, pre))
             records[path] = art.record
     return files, records
 
@@ -592,10 +356,6 @@ def _source_version(side: ImageSide) -> str:
             "from the matching source: install vLLM with its metadata or its _version.py"
         )
     return version.split("+", 1)[0]
-
-
-def _sha(data: bytes | None) -> str | None:
-    return hashlib.sha256(data).hexdigest() if data is not None else None
 
 
 # --- writing, atomically -------------------------------------------------------------
@@ -612,7 +372,8 @@ def stage(overlay: Overlay, folder: Path) -> None:
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_bytes(f.data)
         os.chmod(dest, f.mode)
-        os.utime(dest, (f.mtime, f.mtime))
+        mtime = overlay_mtime(f.data)
+        os.utime(dest, (mtime, mtime))
     manifest = folder / "manifest.json"
     manifest.write_bytes(overlay.manifest_bytes())
     os.chmod(manifest, 0o644)
@@ -659,13 +420,6 @@ def write_overlays(overlays: Sequence[Overlay], out: Path, verify: Verifier | No
 # --- verify inside the image ---------------------------------------------------------
 
 
-@dataclass
-class Verified:
-    image: str
-    ok: list[str]
-    notes: list[str]
-
-
 def load_manifest(path: Path) -> tuple[Path, dict[str, Any]]:
     """The overlay folder and its manifest, from the folder, its manifest.json or current.json."""
     path = path / "manifest.json" if path.is_dir() else path
@@ -692,7 +446,7 @@ def verify_overlay(engine: Any, folder: Path, image: str | None = None) -> Verif
         code, out = engine.run(
             ref, ["python3", "-c", VERIFY_SCRIPT, json.dumps(spec)], mounts=mounts, env=env, network=False
         )
-    report = parse_verify(ref, manifest, code, out)
+    report = parse_verify(f"overlay {manifest['target']}/{manifest['content_hash']}", ref, code, out)
     report.ok[:0] = originals
     return report
 
@@ -703,7 +457,7 @@ def check_pre_images(engine: Any, ref: str, manifest: dict[str, Any]) -> list[st
     found = engine.read_files(ref, paths)
     problems = []
     for f in manifest["files"]:
-        got, want = _sha(found.get(f["container_path"])), f["pre_image_sha256"]
+        got, want = sha256_of(found.get(f["container_path"])), f["pre_image_sha256"]
         unrecorded = manifest["image_id"] is None and f["container_path"] in manifest["native"]
         if want is None and got is not None and unrecorded:
             problems.append(
@@ -724,7 +478,7 @@ def check_pre_images(engine: Any, ref: str, manifest: dict[str, Any]) -> list[st
 def check_host_copies(folder: Path, manifest: dict[str, Any]) -> None:
     for f in manifest["files"]:
         path = folder / f["source"]
-        if _sha(_read_or_none(path)) != f["sha256"]:
+        if sha256_of(_read_or_none(path)) != f["sha256"]:
             raise VerifyError(f"{path} is missing or differs from its manifest (sha256 {f['sha256']})")
 
 
@@ -732,160 +486,17 @@ def verify_plan(folder: Path, manifest: dict[str, Any], tmp: Path) -> tuple[list
     """The mounts and the in-container script's input for one overlay."""
     from ..engine import Mount
 
-    root = manifest["vllm_root"]
     mounts = [Mount((folder / f["source"]).resolve(), f["container_path"]) for f in manifest["files"]]
-    spec: dict[str, Any] = {"root": root, "files": [], "native": [], "modules": [], "libdir": _LIBDIR}
-    for f in manifest["files"]:
-        path = f["container_path"]
-        spec["files"].append({"path": path, "sha256": f["sha256"]})
-        if path in manifest["native"]:
-            spec["native"].append({"path": path, "module": module_name(root, path)})
-        elif path.endswith(".py"):
-            spec["modules"].append(module_name(root, path))
+    spec = verify_spec(manifest, libdir=_LIBDIR)
     if spec["native"]:
-        calls = sorted({c for n in spec["native"] for c in driver_calls(folder / _source_of(manifest, n["path"]))})
-        mounts.append(Mount(write_libcuda_stub(tmp / "lib", calls).resolve(), _LIBDIR))
+        built = [folder / _source_of(manifest, n["path"]) for n in spec["native"]]
+        calls = sorted({c for so in built for c in native_build.driver_calls(so)})
+        mounts.append(Mount(native_build.write_libcuda_stub(tmp / "lib", calls).resolve(), _LIBDIR))
     return mounts, spec
 
 
 def _source_of(manifest: dict[str, Any], container: str) -> str:
     return next(f["source"] for f in manifest["files"] if f["container_path"] == container)
-
-
-def module_name(root: str, path: str) -> str:
-    """``<root>/device_allocator/cumem.py`` -> ``vllm.device_allocator.cumem``."""
-    rel = posixpath.relpath(path, root)
-    stem = rel.split(".", 1)[0]
-    parts = ["vllm", *stem.split("/")]
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def parse_verify(ref: str, manifest: dict[str, Any], code: int, out: str) -> Verified:
-    lines = [line.split(" ", 2)[1:] for line in out.splitlines() if line.startswith("sm12x-verify ")]
-    fails = [text for kind, text in lines if kind == "fail"]
-    done = any(kind == "done" for kind, _ in lines)
-    if fails or not done or code != 0:
-        detail = fails or out.strip().splitlines()[-20:] or [f"exit code {code}, no output"]
-        raise VerifyError(
-            f"overlay {manifest['target']}/{manifest['content_hash']} failed its check in image {ref}:\n  "
-            + "\n  ".join(detail)
-        )
-    return Verified(ref, [t for k, t in lines if k == "ok"], [t for k, t in lines if k == "note"])
-
-
-# Runs inside the target image with the overlay mounted; stdlib only, Python >= 3.8.
-VERIFY_SCRIPT = r'''
-import hashlib, importlib, importlib.util, json, os, py_compile, subprocess, sys, tempfile, traceback
-
-spec = json.loads(sys.argv[1])
-mounted = {f["path"] for f in spec["files"]}
-
-
-def say(kind, text):
-    print("sm12x-verify %s %s" % (kind, text), flush=True)
-
-
-def check_hash(f):
-    try:
-        with open(f["path"], "rb") as fh:
-            got = hashlib.sha256(fh.read()).hexdigest()
-    except OSError as exc:
-        return say("fail", "%s: cannot read it: %s" % (f["path"], exc))
-    if got != f["sha256"]:
-        return say("fail", "%s: sha256 %s, expected %s" % (f["path"], got, f["sha256"]))
-    say("ok", "%s: sha256 %s" % (f["path"], got[:12]))
-
-
-def check_compiles(path, tmp):
-    try:
-        cfile = os.path.join(tmp, hashlib.sha1(path.encode()).hexdigest() + ".pyc")
-        py_compile.compile(path, cfile=cfile, doraise=True)
-        say("ok", "%s: compiles" % path)
-    except py_compile.PyCompileError as exc:
-        say("fail", "%s: does not compile: %s" % (path, exc.msg.strip()))
-
-
-def check_stale_bytecode(path):
-    # The image's own __pycache__ (PYTHONPYCACHEPREFIX hides it; check as if unset).
-    folder, name = os.path.split(path)
-    pyc = os.path.join(folder, "__pycache__", "%s.%s.pyc" % (name[:-3], sys.implementation.cache_tag))
-    try:
-        with open(pyc, "rb") as fh:
-            head = fh.read(16)
-    except OSError:
-        return
-    if len(head) < 16 or head[:4] != importlib.util.MAGIC_NUMBER:
-        return
-    flags = int.from_bytes(head[4:8], "little")
-    st = os.stat(path)
-    if flags == 0:
-        mtime, size = int.from_bytes(head[8:12], "little"), int.from_bytes(head[12:16], "little")
-        if mtime == int(st.st_mtime) & 0xFFFFFFFF and size == st.st_size & 0xFFFFFFFF:
-            say("fail", "%s: the image's %s has the overlay's mtime and size: Python would run the old code"
-                % (path, pyc))
-        else:
-            say("ok", "%s: the image's bytecode is stale by mtime/size, so Python recompiles" % path)
-    elif flags & 1 and not flags & 2:
-        say("note", "%s: the image ships unchecked hash-based bytecode (%s): the overlay runs only with "
-            "PYTHONPYCACHEPREFIX set, as the Nomad spec sets it" % (path, pyc))
-
-
-def frames_in_overlay(exc):
-    files = [fr.filename for fr in traceback.extract_tb(exc.__traceback__)]
-    if isinstance(exc, SyntaxError) and exc.filename:
-        files.append(exc.filename)
-    return [f for f in files if f in mounted]
-
-
-def check_imports(modules):
-    if not modules:
-        return
-    if importlib.util.find_spec("torch") is None:
-        return say("note", "imports not checked: the image has no torch, so vLLM cannot be imported in it")
-    sys.path.insert(0, os.path.dirname(spec["root"]))
-    try:
-        import vllm  # noqa: F401
-    except BaseException as exc:
-        if frames_in_overlay(exc):
-            return say("fail", "import vllm fails in an overlaid file: %s: %s" % (type(exc).__name__, exc))
-        return say("note", "imports not checked: vLLM does not import in this image here (%s: %s)"
-                   % (type(exc).__name__, str(exc).splitlines()[0] if str(exc) else ""))
-    for name in modules:
-        try:
-            importlib.import_module(name)
-            say("ok", "%s: imports" % name)
-        except BaseException as exc:
-            say("fail", "%s: import fails: %s: %s" % (name, type(exc).__name__, exc))
-
-
-LOAD = ("import importlib.util, sys\n"
-        "s = importlib.util.spec_from_file_location(sys.argv[1], sys.argv[2])\n"
-        "m = importlib.util.module_from_spec(s)\n"
-        "s.loader.exec_module(m)\n")
-
-
-def check_native(n):
-    env = dict(os.environ)
-    env["LD_LIBRARY_PATH"] = ":".join(p for p in (spec["libdir"], env.get("LD_LIBRARY_PATH")) if p)
-    r = subprocess.run([sys.executable, "-c", LOAD, n["module"], n["path"]], env=env,
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True, timeout=120)
-    if r.returncode:
-        say("fail", "%s: does not load as %s: %s" % (n["path"], n["module"], r.stdout.strip().splitlines()[-1:]))
-    else:
-        say("ok", "%s: loads as %s in Python %d.%d" % (n["path"], n["module"], *sys.version_info[:2]))
-
-
-with tempfile.TemporaryDirectory() as tmp:
-    for f in spec["files"]:
-        check_hash(f)
-        if f["path"].endswith(".py"):
-            check_compiles(f["path"], tmp)
-            check_stale_bytecode(f["path"])
-check_imports(spec["modules"])
-for n in spec["native"]:
-    check_native(n)
-say("done", "")
-'''
 
 
 # --- the command ---------------------------------------------------------------------
@@ -904,12 +515,16 @@ def select_targets(
         targets = [config.target(n) for n in dict.fromkeys(names)]
     else:
         targets = list(config.targets)
+    return checked_targets(config, targets)
+
+
+def checked_targets(config: Config, targets: Sequence[TargetConfig]) -> list[TargetConfig]:
     if not targets:
         raise ConfigError(f"{config.origin}: no targets: add 'targets:' to the config or give --image REF")
     for t in targets:
         if not _NAME.match(t.name):
             raise ConfigError(f"target name {t.name!r} must be letters, digits, '.', '_' or '-' (it names a folder)")
-    return targets
+    return list(targets)
 
 
 def target_name_for(image: str) -> str:
@@ -986,29 +601,74 @@ def make_overlays(ctx: Any, targets: Sequence[TargetConfig], engine: Any | None,
     for path in plan.skipped:
         ctx.progress.say(f"overlay: {path} is in no image: not overlaid")
     pin = {"version": ctx.pin.version, "sha256": ctx.pin.sha256}
+    image_cfg = ctx.config.image  # its builder settings apply to every builder container
     overlays = []
     for t in targets:
         side = side_for(engine, t, sources, need_image, ctx.progress, wanted_paths(plan), image_cache_dir(ctx))
-        overlays.append(make_overlay(t, ctx.series, plan, side, sources, pin, ctx.progress))
+        overlays.append(
+            make_overlay(
+                t, ctx.series, plan, side, sources, pin, ctx.progress, image_cfg.builder_setup, image_cfg.cuda_home
+            )
+        )
     return overlays
+
+
+def make_and_write(
+    ctx: Any,
+    targets: list[TargetConfig] | None = None,
+    *,
+    verify: bool | None = None,
+    out: Path | None = None,
+) -> list[tuple[Overlay, Path]]:
+    """Make every target's overlay and write them under ``out`` (default: output.overlays,
+    relative to the working directory); what ``overlay`` and ``build`` both run.
+
+    ``targets`` None: the config's. ``verify`` None: check each overlay read from an image in
+    that image when a daemon answers (a pinned target made from the pinned tree is not);
+    True: a daemon and every target's image are required. A target that is not pinned
+    needs a daemon either way (EngineError). Nothing is written when anything fails.
+    """
+    written, reports = _make_and_write(ctx, targets, verify, out)
+    for report in reports:
+        _say_verified(ctx.progress, report)
+    return written
+
+
+def _make_and_write(
+    ctx: Any, targets: Sequence[TargetConfig] | None, verify: bool | None, out: Path | None
+) -> tuple[list[tuple[Overlay, Path]], list[Verified]]:
+    targets = checked_targets(ctx.config, list(ctx.config.targets) if targets is None else targets)
+    engine = connect(bool(verify) or any(not t.pinned for t in targets), ctx.progress)
+    overlays = make_overlays(ctx, targets, engine, bool(verify))
+    reports: list[Verified] = []
+
+    def check(overlay: Overlay, folder: Path) -> None:
+        if overlay.image_id is not None or verify:
+            reports.append(verify_overlay(engine, folder))
+
+    checking = verify or (verify is None and engine is not None)
+    folders = write_overlays(overlays, Path(out or ctx.config.output.overlays), check if checking else None)
+    return list(zip(overlays, folders)), reports
 
 
 def run(ctx: Any, args: Any) -> int:
     if args.manifest is not None:
         return _verify_existing(ctx, args)
     targets = select_targets(ctx.config, args.target, args.image, args.root)
-    engine = connect(args.verify or any(not t.pinned for t in targets), ctx.progress)
-    overlays = make_overlays(ctx, targets, engine, args.verify)
-    out = args.out or Path(ctx.config.output.overlays)
-    reports: list[Verified] = []
-    verify = (lambda ov, folder: reports.append(verify_overlay(engine, folder))) if args.verify else None
-    folders = write_overlays(overlays, out, verify)
-    for overlay, folder in zip(overlays, folders):
+    written, reports = _make_and_write(ctx, targets, args.verify, args.out)
+    for overlay, folder in written:
         origin = f"image {overlay.image}" if overlay.image_id else f"the pinned vLLM {ctx.pin.version} tree"
         print(f"{overlay.target}: {folder} ({len(overlay.files)} files, from {origin})")
     for report in reports:
         _print_verified(ctx.progress, report)
     return 0
+
+
+def _say_verified(progress: Progress, report: Verified) -> None:
+    for line in report.ok:
+        progress.say(f"verify {report.image}: ok: {line}")
+    for note in report.notes:
+        progress.say(f"verify {report.image}: note: {note}")
 
 
 def _verify_existing(ctx: Any, args: Any) -> int:
@@ -1021,10 +681,7 @@ def _verify_existing(ctx: Any, args: Any) -> int:
 
 
 def _print_verified(progress: Progress, report: Verified) -> None:
-    for line in report.ok:
-        progress.say(f"verify {report.image}: ok: {line}")
-    for note in report.notes:
-        progress.say(f"verify {report.image}: note: {note}")
+    _say_verified(progress, report)
     print(f"verified in {report.image}: {len(report.ok)} checks passed, {len(report.notes)} notes")
 
 
