@@ -10,7 +10,6 @@ Only patches that apply change the tree the next patch sees.
 
 from __future__ import annotations
 
-import copy
 import enum
 from dataclasses import dataclass, field
 
@@ -111,9 +110,10 @@ def _try_apply(tree: VirtualTree, patch: Patch, fuzz: int, reverse: bool = False
 
 
 def classify(tree: VirtualTree, patch: Patch, fuzz: int = 0) -> PatchResult:
+    # Reverse-apply and probes look at the tree as it stands; neither changes it.
     probe_tree = VirtualTree(tree.root, dict(tree.edits))
     try:
-        _try_apply(copy.copy(probe_tree), patch, 0, reverse=True)
+        _try_apply(VirtualTree(tree.root, dict(tree.edits)), patch, 0, reverse=True)
         return PatchResult(patch.id, Outcome.LANDED, landed_by="reverse-apply")
     except HunkFailure:
         pass
