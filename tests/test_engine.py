@@ -176,8 +176,9 @@ def test_probe_official_root(daemon, standin_official):
 
 @pytest.mark.docker
 def test_probe_finds_opt_root_by_searching(daemon, standin_opt):
-    assert engine_mod.find_vllm_root(daemon, standin_opt.ref) == "/opt/vllm/vllm"
-    assert engine_mod.image_versions(daemon, standin_opt.ref)["vllm"] == "0.21.0"
+    probe = engine_mod.probe_vllm(daemon, standin_opt.ref)
+    assert probe.root == "/opt/vllm/vllm"
+    assert probe.versions["vllm"] == "0.21.0"
 
 
 @pytest.mark.docker

@@ -377,12 +377,3 @@ def probe_vllm(engine: Engine, ref: str, root: str | None = None, paths: Sequenc
     files = {p: None if b is None else base64.b64decode(b) for p, b in answer["files"].items()}
     return VllmProbe(answer["root"], versions, answer["import_error"], files, answer["bytecode"])
 
-
-def find_vllm_root(engine: Engine, ref: str) -> str:
-    """The vLLM package folder inside ``ref``: its Python's answer, else a search."""
-    return probe_vllm(engine, ref).root
-
-
-def image_versions(engine: Engine, ref: str, root: str | None = None) -> dict[str, str | None]:
-    """vLLM, torch, triton, flashinfer and deep_gemm versions in ``ref`` (None: absent)."""
-    return probe_vllm(engine, ref, root).versions

@@ -12,7 +12,6 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from .checks.check import Outcome, VersionReport, check_tree
 from .context import Context
@@ -29,7 +28,6 @@ class Run:
     verify: bool | None
     source: SourceTree | None = None
     report: VersionReport | None = None
-    engine: Any = None
     summary: list[str] = field(default_factory=list)
 
 
