@@ -8,6 +8,7 @@ imports only torch and triton; the pinned tree's own helpers it compares with
 stand-ins for the few vLLM modules they import.
 
     python bench/sparse_mla_bench.py --tree PATCHED_TREE --out DIR [--sections ...]
+        [--baseline OLD_ATTENTION_PY]
 
 Sections: env, smem, sweep, correctness, layer, decode, reference, prefill,
 indexer (the sparse indexer's Triton MQA logits), einsum (the output
@@ -275,8 +276,7 @@ def section_smem(args, mla):
 
 
 SWEEP = [
-    (16, 32, 4, 1), (16, 64, 4, 1), (16, 32, 4, 2), (32, 32, 4, 1), (32, 32, 8, 1),
-    (32, 16, 4, 1), (64, 32, 8, 1), (64, 16, 8, 1),
+    (16, 32, 4, 1), (32, 16, 4, 1), (32, 32, 4, 1), (64, 16, 8, 1), (64, 32, 8, 1),
 ]
 
 
@@ -295,7 +295,7 @@ def section_sweep(args, mla, cache_utils):
             smem = max(s for _, s in mla.shared_memory_report(GPUTarget("cuda", 120, 32), [cfg]))
         except Exception as e:  # noqa: BLE001
             smem = f"compile failed: {e}"[:200]
-        for H in (64, 128):
+        for H in (16, 32, 64, 128):
             for topk in (512, 2048):
                 for T in (64, 256):
                     q, si, sl, ti, tl_, sink = decode_inputs(T, H, topk, 128, swa, top, gen)
@@ -411,7 +411,16 @@ def section_correctness(args, mla, cache_utils, rocm):
                               "all_ok": all(r["ok"] for r in rows)}
 
 
-def section_decode_perf(args, mla, cache_utils, copy_bw):
+def decode_flops(T, H, keys):
+    """Tensor-core work of one decode call: q.k over 512 dims and p.v over 512."""
+    return 2 * T * H * keys * (DIM + DIM)
+
+
+def section_decode_perf(args, mla, cache_utils, copy_bw, mm_tflops, baseline=None):
+    """Achieved bandwidth against the copy bandwidth, and against what the call
+    could reach at best: its bytes at copy bandwidth or its FLOPs at the bf16
+    matmul rate, whichever takes longer. With --baseline, the same inputs through
+    another revision of the kernel file, in the same run."""
     gen = torch.Generator(device="cuda").manual_seed(2)
     # Pools larger than L2 so that rows come from HBM.
     swa = paged_cache(1 << 18, 64)
@@ -419,9 +428,9 @@ def section_decode_perf(args, mla, cache_utils, copy_bw):
     fill_cache(cache_utils, swa)
     fill_cache(cache_utils, top)
     rows = []
-    for H in (64, 128):
+    for H in (16, 32, 64, 128):
         for topk in (512, 2048):
-            for T in (1, 8, 32, 64, 128, 256):
+            for T in (1, 8, 64, 128, 256):
                 q, si, sl, ti, tl_, sink = decode_inputs(T, H, topk, 128, swa, top, gen)
                 out = torch.empty_like(q)
                 fn = lambda: mla.sparse_mla_decode(  # noqa: E731
@@ -430,11 +439,25 @@ def section_decode_perf(args, mla, cache_utils, copy_bw):
                 rows_read = T * (128 + topk)
                 nbytes = (rows_read * TOKEN_BYTES + q[:, :H].numel() * 2 + out.numel() * 2
                           + rows_read * 4 + 2 * T * 4)
+                flops = decode_flops(T, H, rows_read // T)
                 bw = nbytes / us / 1e3
-                rows.append({"H": H, "topk": topk, "T": T, "us": us, "bytes": nbytes,
-                             "GBps": bw, "frac_copy_bw": bw / copy_bw})
+                best_us = max(nbytes / copy_bw / 1e3, flops / mm_tflops / 1e6)
+                row = {"H": H, "topk": topk, "T": T, "us": us, "bytes": nbytes,
+                       "GBps": bw, "frac_copy_bw": bw / copy_bw, "flops": flops,
+                       "TFLOPs": flops / us / 1e6, "bound": "memory" if
+                       nbytes / copy_bw / 1e3 >= flops / mm_tflops / 1e6 else "compute",
+                       "frac_attainable": best_us / us}
+                note = ""
+                if baseline is not None:
+                    base_us = timed(lambda: baseline.sparse_mla_decode(
+                        q, swa, si, sl, out, 0.04, sink, top, ti, tl_, num_heads=H), iters=50)
+                    row.update(baseline_us=base_us, speedup_vs_baseline=base_us / us)
+                    note = f"; baseline {base_us:.1f} us ({base_us / us:.2f}x)"
+                rows.append(row)
                 log(f"decode perf H={H} topk={topk} T={T}: {us:.1f} us, {nbytes/1e6:.1f} MB, "
-                    f"{bw:.0f} GB/s = {100 * bw / copy_bw:.0f}% of copy")
+                    f"{bw:.0f} GB/s = {100 * bw / copy_bw:.0f}% of copy, "
+                    f"{row['TFLOPs']:.0f} TFLOP/s, {row['bound']}-bound, "
+                    f"{100 * row['frac_attainable']:.0f}% of attainable{note}")
     RESULTS["decode_perf"] = rows
 
 
@@ -921,10 +944,13 @@ def main():
     ap.add_argument("--tree", type=Path, required=True)
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--sections", default="env,smem,correctness,layer,decode,reference,prefill")
+    ap.add_argument("--baseline", type=Path,
+                    help="another revision of attention.py, timed on the same decode inputs")
     args = ap.parse_args()
     sections = args.sections.split(",")
     mla = load(args.tree, KERNEL, "sm12x_sparse_mla_attention")
     cache_utils, rocm = load_pinned_helpers(args.tree)
+    baseline = load(args.baseline.parent, args.baseline.name, "baseline_attention") if args.baseline else None
     args.out.mkdir(parents=True, exist_ok=True)
     RESULTS["command"] = " ".join(sys.argv)
     RESULTS["kernel_configs"] = mla.all_configs()
@@ -949,7 +975,8 @@ def main():
         "correctness": lambda: section_correctness(args, mla, cache_utils, rocm),
         "layer": lambda: section_layer(args, args.tree, mla, cache_utils, rocm),
         "decode": lambda: section_decode_perf(args, mla, cache_utils,
-                                              env.get("copy_bw_GBps", 4000.0)),
+                                              env.get("copy_bw_GBps", 4000.0),
+                                              env.get("bf16_matmul_TFLOPs", 790.0), baseline),
         "reference": lambda: section_reference(args, mla, cache_utils, rocm),
         "prefill": lambda: section_prefill(args, mla, env.get("bf16_matmul_TFLOPs", 790.0)),
         "indexer": lambda: section_indexer(args, env.get("copy_bw_GBps", 4000.0),

@@ -339,3 +339,21 @@ def test_configs_fit_sm120_shared_memory(patched_tree):
     assert data["limit"] == 99 * 1024
     for name, shared in data["report"]:
         assert 0 < shared <= data["limit"], f"{name}: {shared} bytes"
+
+
+@pytest.mark.parametrize("capability, more_heads", [((12, 0), (32, 16, 4, 1)), ((12, 1), (32, 16, 4, 1)),
+                                                     ((9, 0), (64, 32, 8, 1)), ((10, 0), (64, 32, 8, 1))])
+def test_sm12x_gets_four_warp_configs(mla, monkeypatch, capability, more_heads):
+    """ptxas for sm_120a caps an eight-warp build of the kernel at 128 registers a
+    thread (it spills): on SM12x every configuration has four warps; elsewhere the
+    H200 sweep's pick stays."""
+    monkeypatch.delenv("VLLM_TRITON_MLA_SPARSE_KERNEL_CONFIG", raising=False)
+    monkeypatch.setattr(mla.torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(mla.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(mla, "_sm12x_cache", {})
+    gpu = torch.device("cuda", 0)
+    assert mla._pick_config("decode", 64, gpu) == more_heads
+    assert mla._pick_config("decode", 16, gpu) == (16, 32, 4, 1)
+    sm12x = [cfg for (_, _, on_sm12x), cfg in mla._CONFIGS.items() if on_sm12x]
+    assert sm12x and all(num_warps == 4 for _, _, num_warps, _ in sm12x)
+    assert mla._pick_config("prefill", 128, torch.device("cpu"))[2] == 8  # host tensors: not SM12x
