@@ -280,14 +280,21 @@ SWEEP = [
 ]
 
 
-def section_sweep(args, mla, cache_utils):
-    from triton.backends.compiler import GPUTarget
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
+def hbm_pools(cache_utils):
+    """SWA and top-k caches of 262144 slots each, larger than L2 so that rows come
+    from HBM, written by the pinned tree's own cache writer."""
     swa = paged_cache(1 << 18, 64)
     top = paged_cache(1 << 18, 64)
     fill_cache(cache_utils, swa)
     fill_cache(cache_utils, top)
+    return swa, top
+
+
+def section_sweep(args, mla, cache_utils):
+    from triton.backends.compiler import GPUTarget
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    swa, top = hbm_pools(cache_utils)
     rows = []
     for cfg in SWEEP:
         os.environ["VLLM_TRITON_MLA_SPARSE_KERNEL_CONFIG"] = ",".join(map(str, cfg))
@@ -422,35 +429,33 @@ def section_decode_perf(args, mla, cache_utils, copy_bw, mm_tflops, baseline=Non
     matmul rate, whichever takes longer. With --baseline, the same inputs through
     another revision of the kernel file, in the same run."""
     gen = torch.Generator(device="cuda").manual_seed(2)
-    # Pools larger than L2 so that rows come from HBM.
-    swa = paged_cache(1 << 18, 64)
-    top = paged_cache(1 << 18, 64)
-    fill_cache(cache_utils, swa)
-    fill_cache(cache_utils, top)
+    swa, top = hbm_pools(cache_utils)
     rows = []
     for H in (16, 32, 64, 128):
         for topk in (512, 2048):
             for T in (1, 8, 64, 128, 256):
                 q, si, sl, ti, tl_, sink = decode_inputs(T, H, topk, 128, swa, top, gen)
                 out = torch.empty_like(q)
-                fn = lambda: mla.sparse_mla_decode(  # noqa: E731
-                    q, swa, si, sl, out, 0.04, sink, top, ti, tl_, num_heads=H)
-                us = timed(fn, iters=50)
+
+                def decode(kernel):
+                    return lambda: kernel.sparse_mla_decode(
+                        q, swa, si, sl, out, 0.04, sink, top, ti, tl_, num_heads=H)
+
+                us = timed(decode(mla), iters=50)
                 rows_read = T * (128 + topk)
                 nbytes = (rows_read * TOKEN_BYTES + q[:, :H].numel() * 2 + out.numel() * 2
                           + rows_read * 4 + 2 * T * 4)
                 flops = decode_flops(T, H, rows_read // T)
                 bw = nbytes / us / 1e3
-                best_us = max(nbytes / copy_bw / 1e3, flops / mm_tflops / 1e6)
+                memory_us, compute_us = nbytes / copy_bw / 1e3, flops / mm_tflops / 1e6
                 row = {"H": H, "topk": topk, "T": T, "us": us, "bytes": nbytes,
                        "GBps": bw, "frac_copy_bw": bw / copy_bw, "flops": flops,
-                       "TFLOPs": flops / us / 1e6, "bound": "memory" if
-                       nbytes / copy_bw / 1e3 >= flops / mm_tflops / 1e6 else "compute",
-                       "frac_attainable": best_us / us}
+                       "TFLOPs": flops / us / 1e6,
+                       "bound": "memory" if memory_us >= compute_us else "compute",
+                       "frac_attainable": max(memory_us, compute_us) / us}
                 note = ""
                 if baseline is not None:
-                    base_us = timed(lambda: baseline.sparse_mla_decode(
-                        q, swa, si, sl, out, 0.04, sink, top, ti, tl_, num_heads=H), iters=50)
+                    base_us = timed(decode(baseline), iters=50)
                     row.update(baseline_us=base_us, speedup_vs_baseline=base_us / us)
                     note = f"; baseline {base_us:.1f} us ({base_us / us:.2f}x)"
                 rows.append(row)
