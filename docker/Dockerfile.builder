@@ -3,9 +3,10 @@
 #
 # A template: `sm12x-bundle image` fills in the fields between @ signs and writes
 # the result into a build context of its own (csrc/: the patched source and its
-# headers; lib/: the tool's native.py). The rendered file builds with plain
-# `docker build` and with the classic builder the Docker SDK drives: no RUN --mount,
-# no heredocs.
+# headers; lib/: the tool's native.py). The rendered file builds with BuildKit
+# (`docker build`, Docker 23 and later) and with the classic builder the Docker SDK
+# drives: no RUN --mount, no heredocs, and FROM names an image, never a bare id (a
+# checked image by the local tag sm12x-bundle-pin:<its id without sha256:>).
 #
 # The compiler line is sm12x_bundle.native's, the same one the GPU selftest runs;
 # the base's python3 runs it, so Python.h is the base's own. Both outputs build here

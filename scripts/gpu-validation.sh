@@ -7,6 +7,10 @@
 #   scripts/gpu-validation.sh run DIR OUT       # on the GPU host; needs no network
 #   scripts/gpu-validation.sh followup DIR OUT  # then: scenario 1 again, the wake bench,
 #                                               # the first sleep with 64 register threads
+#   scripts/gpu-validation.sh transactions DIR OUT [SCENARIOS]
+#                                               # issue 12: every scenario (1-10, or the
+#                                               # comma-separated list given), fault stress
+#                                               # with 10,000 cycles
 #
 # prepare: the pinned tree (sm12x-bundle fetch) and the patched tree (sm12x-bundle apply),
 # each cut down to what the selftest uses (csrc/cumem_allocator*, and the vllm packages
@@ -18,6 +22,8 @@
 # first-sleep.json and run.log (everything printed).
 # followup: writes env.txt, inflight.json, wake-bench.json, first-sleep-64.json and
 # followup.log.
+# transactions: writes env.txt, transactions.json, transactions-work.tar (each scenario's
+# own JSON) and transactions.log.
 # Each stage has a time limit so that one slow stage cannot starve the others.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -76,7 +82,7 @@ run() {
 
   echo "== selftest --compare (pristine against patched)"
   timeout 330 python3 -m sm12x_bundle selftest --compare "$dir/pristine" "$dir/patched" "${include[@]}" \
-    --timeout 200 --work /tmp/selftest-work --json-out "$out/selftest.json"
+    --scenario 1,2,3,4,5 --timeout 200 --work /tmp/selftest-work --json-out "$out/selftest.json"
   echo "selftest exit code: $?"
   tar -cf "$out/selftest-work.tar" -C /tmp selftest-work 2>/dev/null
 
@@ -113,9 +119,22 @@ followup() {
   echo "first-sleep bench exit code: $?"
 }
 
+transactions() {
+  local dir=$1 out=$2 which=${3:-1,2,3,4,5,6,7,8,9,10}
+  setup "$dir" "$out" transactions.log
+
+  echo "== selftest --compare, scenarios $which (fault stress: 10,000 cycles, seed 1)"
+  timeout 560 python3 -m sm12x_bundle selftest --compare "$dir/pristine" "$dir/patched" "${include[@]}" \
+    --scenario "$which" --fault-cycles 10000 --seed 1 --timeout 300 --work /tmp/selftest-work \
+    --json-out "$out/transactions.json"
+  echo "selftest exit code: $?"
+  tar -cf "$out/transactions-work.tar" -C /tmp selftest-work 2>/dev/null
+}
+
 case "${1:-}" in
   prepare) prepare "${2:?DIR}" ;;
   run) run "${2:?DIR}" "${3:?OUT}" ;;
   followup) followup "${2:?DIR}" "${3:?OUT}" ;;
-  *) echo "usage: $0 prepare DIR | run DIR OUT | followup DIR OUT" >&2; exit 2 ;;
+  transactions) transactions "${2:?DIR}" "${3:?OUT}" "${4:-}" ;;
+  *) echo "usage: $0 prepare DIR | run DIR OUT | followup DIR OUT | transactions DIR OUT [SCENARIOS]" >&2; exit 2 ;;
 esac

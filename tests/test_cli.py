@@ -1,13 +1,14 @@
 """The command line: exit codes, outputs and refusals, on small local trees and series."""
 
 import json
+import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 
 from patchkit import make_patch, write_series
-from sm12x_bundle.cli import build_parser, main
+from sm12x_bundle.cli import COMMON_CODES, build_parser, command_exit_codes, main
 
 BODY = "".join(f"line {i}\n" for i in range(1, 31))
 
@@ -97,3 +98,37 @@ def test_help_teaches_exit_codes_and_examples():
     assert "20  check: some patch conflicts" in text
     check_help = parser._subparsers._group_actions[0].choices["check"].format_help()
     assert "--vllm VERSION" in check_help and "example: sm12x-bundle check" in check_help
+
+
+def _help(name: str) -> str:
+    return build_parser()._subparsers._group_actions[0].choices[name].format_help()
+
+
+def _listed_codes(help_text: str) -> set[int]:
+    block = help_text.split("exit codes:\n", 1)[1]
+    return {int(m) for m in re.findall(r"^  (\d+) ", block, re.M)}
+
+
+def test_each_help_lists_its_own_exit_codes():
+    codes = command_exit_codes()
+    for name in build_parser()._subparsers._group_actions[0].choices:
+        assert _listed_codes(_help(name)) == set(COMMON_CODES) | set(codes[name]), name
+    assert _listed_codes(_help("check")) == {0, 2, 3, 4, 5, 10, 20}
+    assert {10, 20}.isdisjoint(_listed_codes(_help("series")) | _listed_codes(_help("nomad")))
+    assert 11 in _listed_codes(_help("nomad")) and 11 in _listed_codes(_help("apply"))
+
+
+def test_selftest_help_says_one_thing_about_each_code():
+    text = _help("selftest")
+    assert "exit 0 when" not in text  # the table is the only place its codes are described
+    assert re.search(r"^  2 +could not run: the command line is malformed", text, re.M)
+    assert re.search(r"^  9 +some scenario did not pass", text, re.M)
+
+
+def test_readme_exit_codes_agree_with_the_help():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    commands = readme.split("## Commands", 1)[1].split("|", 1)[0]
+    assert {int(c) for c in re.findall(r"(\d+) \(", commands)} == set(COMMON_CODES)
+    check = readme.split("### `check`", 1)[1].split("`--json`", 1)[0]
+    sentence = check.split("Exit codes:", 1)[1]
+    assert {int(c) for c in re.findall(r"\b(\d+) [a-z]", sentence)} == _listed_codes(_help("check"))

@@ -86,3 +86,40 @@ def test_local_file_replaces_default(tmp_path):
 def test_unreadable_config_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config"):
         config_mod.load(tmp_path / "absent.yaml")
+
+
+def test_a_value_is_checked_at_load_and_named_by_file_line_key():
+    text = "targets:\n  - {name: a, image: x}\njobs:\n  - name: j\n    model: m\n    target: a\n    port: 99999\n"
+    with pytest.raises(ConfigError) as exc:
+        parse(text)
+    assert str(exc.value) == "cfg.yaml:7: jobs[0].port: port must be in 1-65535, not 99999"
+
+
+def test_a_key_left_to_its_default_is_named_on_its_item_line():
+    # healthy_deadline_s keeps its default (1800); the job's own line is the place to add it.
+    text = "targets:\n  - {name: a, image: x}\njobs:\n  - name: j\n    model: m\n    target: a\n    load_time_s: 2000\n"
+    with pytest.raises(ConfigError, match=r"^cfg.yaml:4: jobs\[0\].healthy_deadline_s: healthy_deadline_s \(1800\) must exceed load_time_s \(2000\)"):
+        parse(text)
+
+
+def test_a_mapping_key_is_named_on_its_own_line():
+    text = "targets:\n  - {name: a, image: x}\njobs:\n  - name: j\n    model: m\n    target: a\n    env:\n      OK: '1'\n      2BAD: '1'\n"
+    with pytest.raises(ConfigError, match=r"^cfg.yaml:9: jobs\[0\].env.2BAD: env key '2BAD' is not a valid variable name"):
+        parse(text)
+
+
+@pytest.mark.parametrize("value, problem", [
+    ("0.21.0", None), ("0.10.1.1", None), ("0.11.0rc1", None), ("0.9.2.post1", None),
+    ("", "must be a vLLM release version"), ("v0.21.0", "must be a vLLM release version"), ("0.21.0 ", "must be"),
+])
+def test_versions_are_release_numbers(value, problem):
+    got = config_mod.version_problem(value)
+    assert got is None if problem is None else problem in got
+
+
+@pytest.mark.parametrize("ref, ok", [
+    ("vllm/vllm-openai:v0.21.0", True), ("reg.example:5000/vllm:v1", True), ("glm:nvfp4", True),
+    ("ubuntu@sha256:" + "a" * 64, True), ("Bad Image", False), ("vllm/vllm-openai:", False), ("UPPER/case", False),
+])
+def test_image_references(ref, ok):
+    assert (config_mod.image_problem(ref) is None) is ok

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import sysconfig
@@ -225,3 +226,27 @@ def test_failed_malloc_leaves_nothing_behind(extensions, fake_libcuda, variant):
     assert got["malloc_returned"] == 0
     leaked = {"pinned": 1, "patched": 0}[variant]
     assert got["after"] == {"handles": leaked, "mappings": 0, "reservations": 0}
+    # Registered with Python before the mapping failed: taken back, or a later
+    # sleep() backs up and unmaps an address that holds nothing.
+    assert got["registered"] == leaked
+
+
+@pytest.mark.native
+@pytest.mark.integration
+@VARIANTS
+def test_failed_map_of_a_mapped_address_keeps_the_live_handle(extensions, fake_libcuda, variant):
+    got = scenario(extensions, fake_libcuda, variant, "wake_awake_allocation")
+    assert "invalid argument" in got["error"]  # cuMemMap: the address is mapped
+    if variant == "pinned":
+        # The slot names the new handle: the sleep releases it and leaks the live one.
+        assert got["sleep_error"] is None and got["asleep"]["handles"] == 1
+        return
+    assert got["after_failure"] == {"handles": 1, "mappings": 1, "reservations": 1}
+    assert got["sleep_error"] is None
+    assert got["asleep"] == {"handles": 0, "mappings": 0, "reservations": 1}
+    assert got["wake_error"] is None and got["awake"] == got["after_failure"]
+
+
+def test_extension_never_exits_the_process(patched_tree):
+    source = (patched_tree / native.SOURCE).read_text()
+    assert not re.search(r"\b(?:std::)?(?:exit|_exit|abort|terminate)\s*\(", source)

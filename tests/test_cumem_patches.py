@@ -15,11 +15,13 @@ tree and is gone on the patched one.
 from __future__ import annotations
 
 import ctypes
+import gc
 import importlib.util
 import logging
 import os
 import sys
 import types
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -59,7 +61,9 @@ class FakeCuda:
         self.violations: list[int] = []  # addresses unmapped under queued work
         self.fail_map_at: int | None = None  # the k-th create_and_map from cumem.py fails
         self.fail_copy_to: int | None = None  # a copy back into this address fails
+        self.fail_unmap_at: int | None = None  # the k-th unmap_and_release fails
         self.map_calls = 0
+        self.unmap_calls = 0
         self.pool: FakePool | None = None
         self._next = DEVICE_BASE
 
@@ -74,6 +78,9 @@ class FakeCuda:
         self._map(d_mem, size)
 
     def python_unmap_and_release(self, device: int, size: int, d_mem: int, p_handle: int) -> None:
+        self.unmap_calls += 1
+        if self.unmap_calls == self.fail_unmap_at:  # cuMemUnmap failed: still mapped
+            raise RuntimeError("CUDA Error: invalid argument at cumem_allocator.cpp:240")
         if d_mem not in self.memory:
             raise RuntimeError("CUDA Error: invalid argument at cumem_allocator.cpp:207")
         if d_mem in self.queued.get(device, ()):
@@ -346,6 +353,153 @@ def test_failed_wake_up_leaves_what_earlier_calls_woke(variant, fake, alloc):
         return
     assert set(fake.memory) == {kv}
     alloc.wake_up(tags=["weights"])
+    assert_woken_intact(fake, alloc, addrs, data)
+
+
+# --- 0002: wake_up wakes only what is asleep ----------------------------------------
+
+
+def test_second_wake_up_wakes_nothing(variant, fake, alloc, caplog):
+    addrs, data = asleep_with_data(fake, alloc)
+    alloc.wake_up()
+    maps = fake.map_calls
+    if variant == "pinned":
+        with pytest.raises(RuntimeError, match="invalid argument"):
+            alloc.wake_up()  # maps again an address that is mapped
+        return
+    with caplog.at_level(logging.INFO):
+        alloc.wake_up()
+    assert fake.map_calls == maps and "nothing is asleep" in caplog.text
+    assert_woken_intact(fake, alloc, addrs, data)
+    alloc.sleep(offload_tags=("weights",))  # and the allocator sleeps and wakes as before
+    alloc.wake_up()
+    assert_woken_intact(fake, alloc, addrs, data)
+
+
+def test_wake_up_by_tag_subsets_in_any_order(variant, fake, alloc):
+    addrs, data = asleep_with_data(fake, alloc)
+    alloc.wake_up(tags=["weights"])
+    alloc.wake_up(tags=["kv_cache"])
+    assert set(fake.memory) == set(addrs)
+    if variant == "pinned":
+        with pytest.raises(RuntimeError, match="invalid argument"):
+            alloc.wake_up()
+        return
+    alloc.wake_up()  # everything is awake: nothing to map
+    alloc.wake_up(tags=["weights"])
+    assert_woken_intact(fake, alloc, addrs, data)
+
+
+# --- 0002: sleep() is all or nothing ------------------------------------------------
+
+
+class HostAllocationFails:
+    """The ``torch`` that a tree's cumem.py sees, whose k-th CPU ``empty`` (the pinned
+    backup of sleep()) fails as pinned host allocation does when host memory runs out.
+    Keeps a weak reference to every backup it made, to tell whether it was released."""
+
+    def __init__(self, k: int) -> None:
+        self.k, self.calls, self.made = k, 0, []
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def empty(self, *args, **kwargs):
+        if kwargs.get("device") != "cpu":
+            return torch.empty(*args, **kwargs)
+        self.calls += 1
+        if self.calls == self.k:
+            raise RuntimeError("CUDA error: out of memory (pinned host allocation)")
+        backup = torch.empty(*args, **kwargs)
+        self.made.append(weakref.ref(backup))
+        return backup
+
+    def alive(self) -> int:
+        gc.collect()
+        return sum(ref() is not None for ref in self.made)
+
+
+def awake_with_data(fake: FakeCuda, alloc) -> tuple[list[int], dict[int, bytes]]:
+    addrs = [fake.my_malloc(alloc, size, tag) for tag, size in LAYOUT]
+    return addrs, {a: bytes(fake.memory[a]) for a in addrs}
+
+
+def assert_untouched(fake: FakeCuda, alloc, addrs: list[int], data: dict[int, bytes], tags=("weights", "kv_cache")):
+    """Every allocation mapped, not asleep, without a backup; the bytes of ``tags`` as they were."""
+    assert set(fake.memory) == set(addrs)
+    for (tag, _), a in zip(LAYOUT, addrs):
+        if tag in tags:
+            assert bytes(fake.memory[a]) == data[a], f"{tag} at {a:#x} lost its bytes"
+        d = alloc.pointer_to_data[a]
+        assert d.cpu_backup_tensor is None and not getattr(d, "asleep", False)
+
+
+@pytest.mark.parametrize("k", [2, 4])  # the k-th of the 4 weights' backups fails
+def test_sleep_failing_at_backup_k_leaves_everything_mapped(variant, fake, alloc, monkeypatch, k):
+    addrs, data = awake_with_data(fake, alloc)
+    host = HostAllocationFails(k)
+    monkeypatch.setattr(sys.modules[type(alloc).__module__], "torch", host)
+    with pytest.raises(RuntimeError) as failure:
+        alloc.sleep(offload_tags=("weights",))
+    if variant == "pinned":
+        assert set(fake.memory) != set(addrs)  # unmapped under live tensors
+        return
+    assert_untouched(fake, alloc, addrs, data)
+    assert host.alive() == 0  # the k-1 backups made were released
+    tag, size = [ts for ts in LAYOUT if ts[0] == "weights"][k - 1]
+    assert f"sleep failed to back up the allocation (tag {tag!r}, {size} bytes)" in str(failure.value)
+    assert "out of memory" in str(failure.value.__cause__)
+    alloc.sleep(offload_tags=("weights",))  # the retry succeeds
+    assert fake.memory == {}
+    alloc.wake_up()
+    assert_woken_intact(fake, alloc, addrs, data)
+
+
+def test_sleep_failing_in_the_copy_leaves_everything_mapped(variant, fake, alloc, monkeypatch):
+    addrs, data = awake_with_data(fake, alloc)
+    copy = fake.cudaMemcpy
+
+    def fails_from_the_third(dst, src, count, calls=[]):
+        calls.append(src)
+        if len(calls) == 3:
+            raise RuntimeError("CUDART error: an illegal memory access was encountered")
+        copy(dst, src, count)
+
+    monkeypatch.setattr(fake, "cudaMemcpy", fails_from_the_third)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        alloc.sleep(offload_tags=("weights",))
+    if variant == "pinned":
+        assert set(fake.memory) != set(addrs)
+        return
+    assert_untouched(fake, alloc, addrs, data)
+
+
+def test_sleep_failing_to_unmap_maps_back_what_it_unmapped(variant, fake, alloc):
+    addrs, data = awake_with_data(fake, alloc)
+    fake.fail_unmap_at = fake.unmap_calls + 4  # LAYOUT[3], after a weight, a weight, the kv cache
+    with pytest.raises(RuntimeError) as failure:
+        alloc.sleep(offload_tags=("weights",))
+    fake.fail_unmap_at = None
+    if variant == "pinned":
+        assert set(fake.memory) == set(addrs[3:])
+        return
+    # The offloaded bytes come back; the discarded kv cache is mapped again, with
+    # fresh bytes: keeping them would need host memory sleep() never took.
+    assert_untouched(fake, alloc, addrs, data, tags=("weights",))
+    assert "sleep failed to unmap the allocation (tag 'weights', 12288 bytes)" in str(failure.value)
+    alloc.sleep(offload_tags=("weights",))
+    alloc.wake_up()
+    assert_woken_intact(fake, alloc, addrs, data)
+
+
+def test_sleep_twice_sleeps_once(variant, fake, alloc):
+    addrs, data = asleep_with_data(fake, alloc)
+    if variant == "pinned":
+        with pytest.raises(RuntimeError):
+            alloc.sleep(offload_tags=("weights",))  # copies out of unmapped memory
+        return
+    alloc.sleep(offload_tags=("weights",))
+    alloc.wake_up()
     assert_woken_intact(fake, alloc, addrs, data)
 
 

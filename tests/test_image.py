@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,7 @@ GOLDEN = Path(__file__).parent / "golden" / "image"
 UPDATE_GOLDEN = os.environ.get("SM12X_UPDATE_GOLDEN") == "1"
 EPOCH = {"SOURCE_DATE_EPOCH": "1790000000"}
 BASE_ID = "sha256:" + "b" * 64
+BASE_DIGEST = "sha256:" + "e" * 64  # its manifest digest, as a registry would report it
 
 CUMEM_OLD = "".join(f"line {n}\n" for n in range(1, 12))
 CUMEM_NEW = CUMEM_OLD.replace("line 6\n", "line 6 (fixed)\n")
@@ -102,7 +104,7 @@ def fake_base(ctx: Context, **changes) -> image.BaseImage:
     source = ctx.source()
     paths = sorted(manifest.installed_paths(ctx.series))
     base = image.pinned_base(ctx.config.image, source, paths)
-    fields = {"ref": BASE_ID, "digest": BASE_ID, "import_error": "ModuleNotFoundError: torch", "bytecode": {}}
+    fields = {"ref": BASE_ID, "digest": BASE_DIGEST, "import_error": "ModuleNotFoundError: torch", "bytecode": {}}
     return dataclasses.replace(base, **{**fields, **changes})
 
 
@@ -122,6 +124,7 @@ class FakeImage:
     labels: dict[str, str] = dataclasses.field(default_factory=dict)
     root: str | None = OFFICIAL_VLLM_ROOT
     problems: list[str] = dataclasses.field(default_factory=list)
+    repo_digests: list[str] = dataclasses.field(default_factory=list)
 
 
 def dockerfile_labels(text: str) -> dict[str, str]:
@@ -157,6 +160,13 @@ class FakeEngine:
     def image_labels(self, ref):
         return dict(self._get(ref).labels)
 
+    def repo_digests(self, ref):
+        return list(self._get(ref).repo_digests)
+
+    def tag(self, ref, repository, tag):
+        self.calls.append(("tag", ref, f"{repository}:{tag}"))
+        self.images[f"{repository}:{tag}"] = self._get(ref)
+
     def read_files(self, ref, paths):
         self.calls.append(("read_files", ref, tuple(paths)))
         img = self._get(ref)
@@ -183,7 +193,9 @@ class FakeEngine:
     def build(self, context, dockerfile, tag, buildargs, progress):
         text = (context / dockerfile).read_text()
         self.calls.append(("build", tag, text))
-        base = self._get(next(line.split()[1] for line in text.splitlines() if line.startswith("FROM ")))
+        base_ref = next(line.split()[1] for line in text.splitlines() if line.startswith("FROM "))
+        assert not base_ref.startswith("sha256:"), "BuildKit reads FROM sha256:<id> as a Docker Hub name"
+        base = self._get(base_ref)
         files = dict(base.files)
         labels = dict(base.labels)
         if "build_cumem_extension" in text:
@@ -279,7 +291,7 @@ def test_labels(ctx):
     plan = make_plan(ctx, labels={"org.opencontainers.image.vendor": "upstream", "maintainer": "x"})
     s = ctx.series.sha256
     assert plan.labels == {
-        "org.opencontainers.image.base.digest": BASE_ID,
+        "org.opencontainers.image.base.digest": BASE_DIGEST,
         "org.opencontainers.image.base.name": "example/vllm-openai:v0.21.0",
         "org.opencontainers.image.created": "2026-09-21T14:13:20Z",
         "org.opencontainers.image.description": "vLLM 0.21.0 with the sm12x-bundle series (cumem-fix, native-fix)",
@@ -357,6 +369,8 @@ def test_classic_builder_syntax_only(ctx):
         assert not text.startswith("# syntax")
         steps = [line for line in text.splitlines() if line and not line.startswith("#")]
         assert not [line for line in steps if "--mount" in line or "<<" in line]
+        # BuildKit reads a bare id as a Docker Hub name: FROM names an image
+        assert [line for line in steps if line.startswith("FROM ")] == ["FROM sm12x-bundle-pin:" + "b" * 64]
 
 
 def test_no_bytecode_step_when_the_base_has_none(ctx):
@@ -519,6 +533,37 @@ def test_base_digest_pins_the_reference(ctx, engine, tmp_path):
     assert result.plan.labels["org.opencontainers.image.base.name"] == "reg.example:5000/vllm:v1"
 
 
+def test_base_digest_comes_from_the_repository_digest(ctx, engine, tmp_path):
+    """A pulled base (RepoDigests): its manifest digest, its own repository's first, never the id."""
+    base = engine.images["example/vllm-openai:v0.21.0"]
+    base.repo_digests = [f"mirror.example/vllm@sha256:{'1' * 64}", f"example/vllm-openai@{BASE_DIGEST}"]
+    result = image.build_bundle(ctx, ctx.config.image, engine, tmp_path / "out")
+    assert result.plan.labels["org.opencontainers.image.base.digest"] == BASE_DIGEST
+    assert result.plan.base.digest_note is None
+
+
+def test_base_digest_is_omitted_when_the_base_has_none(ctx, engine, tmp_path, capsys, monkeypatch):
+    """A base built or loaded here has no RepoDigests: no label (an id is not a manifest digest), and why."""
+    result = image.build_bundle(ctx, ctx.config.image, engine, tmp_path / "out")
+    labels = engine.images["example/bundle:test"].labels
+    assert "org.opencontainers.image.base.digest" not in result.plan.labels
+    assert BASE_ID not in labels.values()
+    assert "has no repository digest" in result.plan.base.digest_note
+    base = engine.images["example/vllm-openai:v0.21.0"]
+    base.labels["org.opencontainers.image.base.digest"] = "upstream's base"  # inherited: cleared
+    result = image.build_bundle(ctx, ctx.config.image, engine, tmp_path / "out2")
+    assert result.plan.labels["org.opencontainers.image.base.digest"] == ""
+
+
+def test_from_names_an_image_never_a_bare_id(ctx, engine, tmp_path):
+    """BuildKit reads FROM sha256:<id> as docker.io/library/sha256:<id>: a local pin tag instead."""
+    image.build_bundle(ctx, ctx.config.image, engine, tmp_path / "out")
+    pin = "sm12x-bundle-pin:" + "b" * 64
+    assert ("tag", BASE_ID, pin) in engine.calls
+    froms = [line for c in engine.calls if c[0] == "build" for line in c[2].splitlines() if line.startswith("FROM")]
+    assert froms == [f"FROM {pin}", f"FROM {pin}"]
+
+
 # --- real builds on stand-in images (a Docker daemon) -----------------------------------
 
 
@@ -583,7 +628,8 @@ def test_bundle_labels(daemon, bundle, standin_official, series):
     labels = daemon.image_labels(tag)
     oci = "org.opencontainers.image."
     assert labels[oci + "base.name"] == standin_official.ref
-    assert labels[oci + "base.digest"] == daemon.image_id(standin_official.ref)
+    # a stand-in is built here: no RepoDigests, so no base.digest (never the local id)
+    assert oci + "base.digest" not in labels
     assert labels[oci + "revision"] == series.sha256
     assert labels[oci + "source"] == "https://example.invalid/sm12x-bundle"
     assert labels[oci + "version"] == f"0.21.0+sm12x.{series.sha256[:12]}"
@@ -596,10 +642,35 @@ def test_bundle_labels(daemon, bundle, standin_official, series):
     }
 
 
+# Debian's docker CLI (20.10) builds through the daemon's BuildKit with DOCKER_BUILDKIT=1;
+# a newer CLI elsewhere on PATH may lack the buildx plugin, so this one is named.
+DEBIAN_DOCKER_CLI = Path("/usr/bin/docker")
+
+
 @pytest.mark.docker
-def test_same_inputs_same_files_and_labels(daemon, bundle, standin_official, tmp_path):
+def test_rendered_contexts_build_with_buildkit_too(daemon, bundle, tmp_path):
+    """The bundle fixture built both contexts with the classic builder (the SDK); BuildKit
+    (Docker's default builder since 23.0) must build the same files, FROM and all."""
+    if not DEBIAN_DOCKER_CLI.is_file():
+        pytest.skip(f"{DEBIAN_DOCKER_CLI} (Debian's docker.io CLI) is not installed")
+    out, tag = bundle
+    env = {**os.environ, "DOCKER_BUILDKIT": "1"}
+    for name in ("builder", "bundle"):
+        # --network none: the test daemon has no bridge (.ci/dockerd.sh), and no step needs one
+        argv = [str(DEBIAN_DOCKER_CLI), "build", "--progress", "plain", "--network", "none",
+                "-t", f"sm12x-test/buildkit-{name}:1", "."]
+        proc = subprocess.run(argv, cwd=out / name, env=env, capture_output=True, text=True, timeout=600, check=False)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "[internal] load build definition" in proc.stderr  # BuildKit's output, not the classic builder's
+    assert daemon.image_labels("sm12x-test/buildkit-bundle:1") == daemon.image_labels(tag)
+
+
+@pytest.mark.docker
+def test_same_inputs_same_files_and_labels(daemon, bundle, standin_official, tmp_path, capsys):
     out_a, tag_a = bundle
     assert build_cli(standin_official.ref, "sm12x-test/bundle:b", tmp_path / "b") == 0
+    # the stand-in has no RepoDigests: the output says why base.digest is omitted
+    assert "has no repository digest" in capsys.readouterr().out
     assert daemon.image_labels("sm12x-test/bundle:b") == daemon.image_labels(tag_a)
     manifest = "bundle/files" + image.DOC_DIR + "/manifest.json"
     a, b = (json.loads((out / manifest).read_text()) for out in (out_a, tmp_path / "b"))

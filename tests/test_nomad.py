@@ -25,6 +25,7 @@ from hcl2.utils import SerializationOptions
 from sm12x_bundle import cli
 from sm12x_bundle import config as config_mod
 from sm12x_bundle.errors import ConfigError
+from sm12x_bundle.outputs import manifest as manifest_mod
 from sm12x_bundle.outputs import nomad
 
 REPO = Path(__file__).resolve().parents[1]
@@ -208,7 +209,7 @@ def _api_group(g: Take) -> dict:
         "count": g("Count"),
         "constraints": _api_constraints(g("Constraints", [])),
         "ports": ports,
-        "disk_mb": disk("SizeMB"),
+        "disk": {"size_mb": disk("SizeMB"), "sticky": disk("Sticky"), "migrate": disk("Migrate")},
         "update": {
             "max_parallel": u("MaxParallel"),
             "canary": u("Canary"),
@@ -355,7 +356,7 @@ def _hcl_group(name: str, g: Take) -> dict:
         "count": g("count"),
         "constraints": _hcl_constraints(g),
         "ports": ports,
-        "disk_mb": disk("size"),
+        "disk": {"size_mb": disk("size"), "sticky": disk("sticky"), "migrate": disk("migrate")},
         "update": {
             "max_parallel": u("max_parallel"),
             "canary": u("canary"),
@@ -507,6 +508,31 @@ def test_sleep_mode_stale_bytecode_guard_and_caches():
     assert (check["type"], check["path"], check["check_restart"]["grace"]) == ("http", "/health", 1200)
 
 
+@pytest.mark.parametrize("name", ["host-job", "artifact-job"])
+def test_caches_survive_an_update(name):
+    """alloc/data (FlashInfer's JIT under /root/.cache) and local/ (Triton, vLLM, bytecode) start
+    empty in a new allocation unless the group's disk is sticky and migrates: in both forms."""
+    job = HOST_JOB if name == "host-job" else ARTIFACT_JOB
+    files = render(job)
+    for view in (api_view(json.loads(files[f"{name}.nomad.json"])), hcl_view(files[f"{name}.nomad.hcl"].decode())):
+        assert view["group"]["disk"] == {"size_mb": 20480, "sticky": True, "migrate": True}
+        mounts = {m["target"]: m["source"] for m in view["task"]["docker"]["mounts"]}
+        assert mounts["/root/.cache"] == "../alloc/data"
+        env = view["task"]["env"]
+        assert all(env[k].startswith("/local/") for k in ("TRITON_CACHE_DIR", "VLLM_CACHE_ROOT", "PYTHONPYCACHEPREFIX"))
+
+
+def test_no_claim_that_nomad_orders_the_rotation():
+    """Nomad's update block acts inside one job; the peers are two jobs. The specs say so and
+    claim no rotation-wide order."""
+    for data in render(HOST_JOB).values():
+        text = data.decode().lower()
+        assert "one peer at a time" not in text
+    hcl = render(HOST_JOB)["host-job.nomad.hcl"].decode()
+    assert "nothing orders it against its rotation peer" in hcl and "GET /v1/job/host-job/deployment" in hcl
+    assert "Nomad does not order the two" in hcl and "max_parallel 1 is Nomad's default" in hcl
+
+
 def test_gpus_device_reservation_versus_shared_peers():
     device = api_view(json.loads(render(HOST_JOB)["host-job.nomad.json"]))
     (gpu,) = device["task"]["resources"]["devices"]
@@ -552,13 +578,17 @@ def test_examples_are_rendered_from_the_committed_config():
         assert data == (EXAMPLES / name).read_bytes(), f"nomad/{name} is stale: rerun the command in nomad/README.md"
 
 
-def test_example_manifest_matches_the_pinned_series(patched_tree, pinned_tree):
-    """The example manifest's cumem.py hashes are the pinned file's and the series' result."""
+def test_example_manifest_matches_the_pinned_series(patched_tree, pinned_tree, series):
+    """The example manifest's cumem.py hashes are the pinned file's and the series' result;
+    every file keeps the pinned tree's mode (envs.py is 0755 there)."""
     m = json.loads((EXAMPLES / "example-manifest.json").read_text())
     nomad.check_manifest(m, "example")
     overlaid = [f["container_path"].removeprefix(ROOT) for f in m["files"]]
     assert "/cumem_allocator.abi3.so" in overlaid and "/device_allocator/cumem.py" in overlaid
-    assert len(overlaid) == 12  # the .so and the 11 Python files the series changes or adds
+    plan = manifest_mod.plan_series(series)
+    # the rebuilt extension and every Python file the series changes or adds
+    assert sorted(overlaid) == sorted(p.removeprefix("vllm") for p in [*plan.files, *(b.artifact for b in plan.native)])
+    assert m["files"][overlaid.index("/envs.py")]["mode"] == "0755"
     entry = m["files"][overlaid.index("/device_allocator/cumem.py")]
     rel = entry["container_path"].removeprefix("/usr/local/lib/python3.12/dist-packages/")
     assert entry["pre_image_sha256"] == hashlib.sha256((pinned_tree / rel).read_bytes()).hexdigest()
@@ -586,7 +616,7 @@ def test_preflight_error_names_the_numbers_and_the_largest_fit():
     with pytest.raises(ConfigError) as exc:
         render(HOST_JOB.replace("gpu_memory_utilization: 0.70", "gpu_memory_utilization: 0.85"))
     assert str(exc.value) == (
-        "cfg.yaml: job 'host-job': the GPU memory budget does not fit: 0.85 x 95 GiB (80.75 GiB cumem)"
+        "cfg.yaml:14: jobs[0].gpu_memory_utilization: the GPU memory budget does not fit: 0.85 x 95 GiB (80.75 GiB cumem)"
         " + 22 GiB non-cumem + 4.8 GiB sleeping-peer residue = 107.55 GiB > 95 GiB;"
         " the largest gpu_memory_utilization that fits is 0.71"
     )
@@ -705,7 +735,7 @@ def test_default_output_dir_and_rerun_changes_nothing(workdir, capsys):
     (workdir / "cfg.yaml").write_text(TARGETS + "jobs:\n" + HOST_JOB)
     assert cli.main(["nomad", "-q", "--config", str(workdir / "cfg.yaml")]) == 0
     out = workdir / "build" / "nomad"
-    assert sorted(p.name for p in out.iterdir()) == ["host-job.nomad.hcl", "host-job.nomad.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".sm12x-bundle-output", "host-job.nomad.hcl", "host-job.nomad.json"]
     first = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir()}
     capsys.readouterr()
     assert cli.main(["nomad", "-q", "--config", str(workdir / "cfg.yaml")]) == 0

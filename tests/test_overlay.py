@@ -26,6 +26,7 @@ from patchkit import make_patch, write_series
 from sm12x_bundle import engine as engine_mod
 from sm12x_bundle.cli import main
 from sm12x_bundle.config import TargetConfig, parse
+from sm12x_bundle.engine import ImageFile
 from sm12x_bundle.errors import ApplyError, ConfigError, EngineError, SeriesError, VerifyError
 from sm12x_bundle.outputs import manifest, native_build, overlay
 from sm12x_bundle.progress import Progress
@@ -45,6 +46,11 @@ class FakeImage:
     files: dict[str, bytes]
     python_root: str | None = None  # what the image's python3 says; None: it finds nothing
     dists: dict[str, str] = field(default_factory=dict)  # installed distributions
+    modes: dict[str, int] = field(default_factory=dict)  # path -> mode (default 0644)
+
+    def entry(self, path: str) -> ImageFile | None:
+        data = self.files.get(path)
+        return None if data is None else ImageFile(data, self.modes.get(path, 0o644))
 
     @property
     def id(self) -> str:
@@ -81,6 +87,11 @@ class FakeEngine:
         self.reads.append(list(paths))
         return {p: image.files.get(p) for p in paths}
 
+    def read_entries(self, ref: str, paths: list[str]) -> dict[str, ImageFile | None]:
+        image = self._image(ref)
+        self.reads.append(list(paths))
+        return {p: image.entry(p) for p in paths}
+
     def run(self, ref, argv, *, mounts=(), env=None, network=False, timeout=600):
         image = self._image(ref)
         self.runs.append(list(argv))
@@ -100,10 +111,12 @@ class FakeEngine:
         if versions["vllm"] is None and "'" in own:
             versions["vllm"] = own.split("'")[1]
         error = None if "torch" in image.dists else "ModuleNotFoundError: No module named 'torch'"
-        files = {p: image.files.get(root + p[len("vllm") :]) for p in wanted} if root else {}
-        files = {p: None if b is None else base64.b64encode(b).decode() for p, b in files.items()}
+        entries = {p: image.entry(root + p[len("vllm") :]) for p in wanted} if root else {}
+        files = {p: None if e is None else base64.b64encode(e.data).decode() for p, e in entries.items()}
+        modes = {p: e.mode for p, e in entries.items() if e is not None}
         return {
-            "root": root, "found": found, "versions": versions, "import_error": error, "files": files, "bytecode": {},
+            "root": root, "found": found, "versions": versions, "import_error": error, "files": files,
+            "modes": modes, "bytecode": {},
         }
 
     def _verify_here(self, spec_json: str, mounts, env):
@@ -331,6 +344,39 @@ def test_manifest_follows_the_schema(tmp_path):
     assert m["content_hash"] == hashlib.sha256(line).hexdigest()[:16]
 
 
+def test_modes_come_from_the_image_and_every_folder_is_0755(tmp_path):
+    """An executable file stays executable (vLLM's envs.py is 0755); the folders all read 0755."""
+    img = image_with(python_root=ROOT, files={"a.py": BODY, "b.py": BODY})
+    img.modes[f"{ROOT}/a.py"] = 0o755
+    both = {"vllm/a.py": (BODY, BODY + "x = 1\n"), "vllm/b.py": (BODY, BODY + "y = 2\n")}
+    patches = {"0001-a.patch": make_patch(both)}
+    ov = build(FakeEngine({"img": img}), series_of(tmp_path, patches), target())
+    entries = {e["container_path"]: e["mode"] for e in json.loads(ov.manifest_bytes())["files"]}
+    assert entries == {f"{ROOT}/a.py": "0755", f"{ROOT}/b.py": "0644"}
+    [folder] = overlay.write_overlays([ov], tmp_path / "out")
+    assert (folder / "files" / ROOT.lstrip("/") / "a.py").stat().st_mode & 0o777 == 0o755
+    assert (folder / "files" / ROOT.lstrip("/") / "b.py").stat().st_mode & 0o777 == 0o644
+    folders = [folder, *(p for p in folder.rglob("*") if p.is_dir())]
+    assert {f"{p.stat().st_mode & 0o777:04o}" for p in folders} == {"0755"}
+    # a folder an older version left 0700 is not taken as already written
+    folder.chmod(0o700)
+    assert not overlay.is_written(folder, ov)
+    overlay.write_overlays([ov], tmp_path / "out")
+    assert folder.stat().st_mode & 0o777 == 0o755
+
+
+def test_the_image_cache_keeps_modes(tmp_path):
+    """Read once through the engine, then from the cache: the mode survives both ways."""
+    img = image_with(python_root=ROOT)
+    img.modes[f"{ROOT}/a.py"] = 0o755
+    engine = FakeEngine({"img": img})
+    store = overlay.ImageCache(tmp_path / "cache")
+    first = store.read(engine, "img", [f"{ROOT}/a.py", f"{ROOT}/missing.py"])
+    again = store.read(engine, "img", [f"{ROOT}/a.py", f"{ROOT}/missing.py"])
+    assert first == again == {f"{ROOT}/a.py": ImageFile(BODY.encode(), 0o755), f"{ROOT}/missing.py": None}
+    assert len(engine.reads) == 1
+
+
 def test_same_inputs_give_the_same_bytes_and_mtimes(tmp_path):
     series = series_of(tmp_path, {"0001-a.patch": change("value_20 = 20\n", "value_20 = 0\n")})
     engine = FakeEngine({"img": image_with(python_root=ROOT)})
@@ -341,7 +387,7 @@ def test_same_inputs_give_the_same_bytes_and_mtimes(tmp_path):
         files = [p for p in out.rglob("*") if p.is_file()]
         outs.append({p.relative_to(out): (p.read_bytes(), p.stat().st_mtime, p.stat().st_mode) for p in files})
     assert outs[0] == outs[1]
-    assert len(outs[0]) == 3  # current.json, manifest.json, one file
+    assert len(outs[0]) == 5  # current.json, manifest.json, one file, the target's and the overlay's markers
 
 
 def test_content_hash_changes_when_a_patch_changes(tmp_path):
@@ -433,17 +479,20 @@ def test_cli_skew_in_one_target_writes_nothing(project, tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, code, message",
     [
-        (["--root", OPT], ConfigError.exit_code, "--root needs --image"),
-        (["--image", "x", "--target", "a"], ConfigError.exit_code, "not both"),
+        (["--root", OPT], 2, "--root needs --image"),  # the command line: argparse's exit 2
+        (["--image", "x", "--target", "a"], 2, "not both"),
         (["--target", "c"], ConfigError.exit_code, "no target named 'c'"),
-        (["--manifest", "m.json"], ConfigError.exit_code, "--manifest is for --verify"),
+        (["--manifest", "m.json"], 2, "argument --manifest: 'm.json' does not exist"),
         (["--image", "missing:1"], EngineError.exit_code, "missing:1 not found"),
     ],
 )
 def test_cli_bad_input_is_one_sentence_and_writes_nothing(project, tmp_path, capsys, argv, code, message):
     engine = project({"0001-a.patch": change("value_20 = 20\n", "value_20 = 0\n")}, TWO_TARGETS)
     engine.images |= {"img:a": image_with(python_root=ROOT)}
-    assert main(["overlay", "-q", *argv]) == code
+    try:
+        assert main(["overlay", "-q", *argv]) == code
+    except SystemExit as exc:
+        assert exc.code == code
     assert message in capsys.readouterr().err
     assert not (tmp_path / "overlays").exists()
 
@@ -477,9 +526,8 @@ def test_cli_ad_hoc_image_gets_a_folder_named_after_it(project, tmp_path, capsys
 
 
 def test_target_names_must_be_one_folder():
-    config = parse("targets:\n  - {name: ../x, image: i}\n", "t.yaml", Path("."))
-    with pytest.raises(ConfigError, match="names a folder"):
-        overlay.select_targets(config, None, None, None)
+    with pytest.raises(ConfigError, match=r"t.yaml:2: targets\[0\].name: .*names a folder"):  # refused at load
+        parse("targets:\n  - {name: ../x, image: i}\n", "t.yaml", Path("."))
 
 
 # --- verify --------------------------------------------------------------------------
@@ -590,8 +638,12 @@ def test_default_target_without_docker_from_the_pinned_tree(
     assert (folder / "manifest.json").read_bytes() == current.read_bytes()
     assert m["image_id"] is None and m["versions"]["vllm"] == "0.21.0" and m["series_sha256"] == series.sha256
     files = {f["container_path"]: f for f in m["files"]}
+    assert files[f"{ROOT}/envs.py"]["mode"] == "0755"  # as in the sdist, not 0644 by kind
+    assert (folder / files[f"{ROOT}/envs.py"]["source"]).stat().st_mode & 0o777 == 0o755
+    assert folder.stat().st_mode & 0o777 == 0o755
     cumem = files[f"{ROOT}/device_allocator/cumem.py"]
-    assert cumem["patches"] == ["cumem-stream-aware-free", "cumem-wake-up-rollback"]
+    assert cumem["patches"] == list(manifest.installed_paths(series)["vllm/device_allocator/cumem.py"])
+    assert cumem["patches"][:2] == ["cumem-stream-aware-free", "cumem-wake-up-rollback"]
     original = (pinned_tree / "vllm/device_allocator/cumem.py").read_bytes()
     assert cumem["pre_image_sha256"] == hashlib.sha256(original).hexdigest()
     written = folder / cumem["source"]
@@ -630,6 +682,18 @@ def test_pinned_overlay_passes_the_in_image_checks_here(tmp_path, series, pinned
     report = overlay.verify_overlay(engine, folder)
     assert any("loads as vllm.cumem_allocator" in line for line in report.ok), report
     assert any("cumem.py: compiles" in line for line in report.ok)
+
+
+@pytest.mark.integration
+def test_overlaid_files_keep_the_pinned_trees_modes(series, pinned_source):
+    """vLLM 0.21.0's envs.py is 0755 in the sdist; the overlay's copy must not become 0644."""
+    side = overlay.pinned_side(TargetConfig(name="t", image="img", root=ROOT, pinned=True), pinned_source)
+    originals = side.read(list(overlay.plan_series(series).files))
+    assert originals["vllm/envs.py"].mode == 0o755
+    patched, _ = overlay.patch_image_files(series, originals, side.label)
+    assert patched["vllm/envs.py"].mode == 0o755
+    assert patched["vllm/device_allocator/cumem.py"].mode == 0o644
+    assert patched["vllm/v1/attention/ops/sm12x_sparse_mla/__init__.py"].mode == 0o644  # new: the patch's mode
 
 
 @pytest.mark.integration

@@ -45,19 +45,18 @@ def test_selection_by_name_number_and_list_keeps_the_fixed_order():
 def test_unknown_scenario_is_refused_with_a_suggestion():
     with pytest.raises(ConfigError, match=r"unknown scenario 'stres' \(did you mean 'stress'\?\)"):
         plan.select(["stres"])
-    with pytest.raises(ConfigError, match="unknown scenario '6'"):
-        plan.select(["6"])
+    with pytest.raises(ConfigError, match="unknown scenario '13'"):
+        plan.select(["13"])
 
 
 def test_compare_runs_only_the_bug_scenarios_on_the_pristine_tree():
     pristine, patched = Target("pristine", Path("/a")), Target("patched", Path("/b"))
     got = [(t.label, s.number) for t, s in plan.runs([pristine, patched], plan.SCENARIOS)]
-    assert got == [("pristine", 1), ("pristine", 2), ("pristine", 3),
-                   ("patched", 1), ("patched", 2), ("patched", 3), ("patched", 4), ("patched", 5)]
+    assert got == [("pristine", n) for n in (1, 2, 3, 6, 7, 8, 9, 11, 12)] + [("patched", n) for n in range(1, 13)]
     only_speed = plan.select(["speed"])
     assert [(t.label, s.name) for t, s in plan.runs([pristine, patched], only_speed)] == [("patched", "speed")]
     single = Target("tree", Path("/c"))
-    assert len(plan.runs([single], plan.SCENARIOS)) == 5
+    assert len(plan.runs([single], plan.SCENARIOS)) == 12
 
 
 # --- sizes -------------------------------------------------------------------------------------
@@ -111,6 +110,7 @@ def compare_report(outcomes: dict[tuple[str, str], str]) -> Report:
 
 
 PROVEN = {("pristine", s.name): FAIL for s in plan.SCENARIOS if s.bug} | {
+    ("pristine", s.name): PASS for s in plan.SCENARIOS if s.guard} | {
     ("patched", s.name): PASS for s in plan.SCENARIOS}
 
 
@@ -277,14 +277,24 @@ def test_compare_end_to_end_proves_and_exits_0(fake_gpu, capsys):
     t = fake_gpu.trees
     assert main(["selftest", "-q", "--compare", str(t["pristine"]), str(t["patched"]), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["holds"] and [r["target"] for r in doc["results"]].count("pristine") == 3
+    assert doc["holds"] and [r["target"] for r in doc["results"]].count("pristine") == 9
     assert fake.builds == [t["pristine"].resolve(), t["patched"].resolve()]
     ran = [(label, scenario) for label, scenario, _ in fake.calls]
     assert ran[:2] == [("pristine", "probe"), ("patched", "probe")]
     assert ("pristine", "stress") not in ran and ("patched", "speed") in ran
     params = dict((s, p) for _, s, p in fake.calls)["speed"]
     assert params["speed_bytes"] == 32 * GiB and params["speed_target"] == 0.9
+    assert params["wake_after_s"] == 0.0
     assert doc["targets"][0]["build"] == ["g++", str(t["pristine"].resolve() / native.SOURCE)]
+
+
+def test_wake_after_reaches_the_speed_scenario(fake_gpu, capsys):
+    fake = fake_gpu(PROVEN)
+    t = fake_gpu.trees
+    main(["selftest", "-q", "--compare", str(t["pristine"]), str(t["patched"]), "--scenario", "speed",
+          "--wake-after", "2.5", "--json"])
+    params = dict((s, p) for _, s, p in fake.calls)["speed"]
+    assert params["wake_after_s"] == 2.5
 
 
 def test_compare_without_teeth_exits_9_and_says_so(fake_gpu, capsys, tmp_path):
@@ -308,15 +318,17 @@ def test_a_child_that_dies_is_an_error_with_its_last_words(fake_gpu, capsys):
 
 def test_scenario_typo_fails_before_anything_is_built(fake_gpu, capsys):
     fake = fake_gpu({})
-    assert main(["selftest", "-q", "--tree", str(fake_gpu.trees["patched"]), "--scenario", "sped"]) == 3
+    with pytest.raises(SystemExit) as exc:  # a command-line value: argparse's exit 2
+        main(["selftest", "-q", "--tree", str(fake_gpu.trees["patched"]), "--scenario", "sped"])
+    assert exc.value.code == 2
     assert "did you mean 'speed'" in capsys.readouterr().err
     assert fake.calls == [] and fake.builds == []
 
 
 @pytest.mark.parametrize("argv, message", [
     (["selftest"], "one of the arguments --tree --installed --compare is required"),
-    (["selftest", "--installed", "--tree", "x"], "not allowed with argument"),
-    (["selftest", "--installed", "--cycles", "many"], "invalid int value"),
+    (["selftest", "--installed", "--tree", "."], "not allowed with argument"),
+    (["selftest", "--installed", "--cycles", "many"], "argument --cycles: must be a whole number, not 'many'"),
 ])
 def test_argument_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -326,7 +338,9 @@ def test_argument_errors(argv, message, capsys):
 
 def test_compare_takes_two_trees_or_none(fake_gpu, capsys):
     fake_gpu({})
-    assert main(["selftest", "-q", "--compare", str(fake_gpu.trees["patched"])]) == 3
+    with pytest.raises(SystemExit) as exc:
+        main(["selftest", "-q", "--compare", str(fake_gpu.trees["patched"])])
+    assert exc.value.code == 2
     assert "--compare takes two trees (PRISTINE PATCHED) or none, not 1" in capsys.readouterr().err
 
 
@@ -512,6 +526,85 @@ def test_stress_offloads_some_tags_and_discards_others():
     assert len(seeds) == 1000 * 64
 
 
+def test_fault_stress_layout_is_small_varied_and_replayable():
+    layout = scenarios.fault_layout(32 * MiB, seed=1)
+    assert {tag for tag, _ in layout} == {tag for tag, _, _ in scenarios.STRESS_TAGS}
+    assert sum(n for _, n in layout) * 8 == pytest.approx(32 * MiB, rel=1e-6)
+    sizes = {n for _, n in layout}
+    assert len(sizes) >= 6 and max(sizes) <= 8 * MiB // 8 and min(sizes) < 256 * 1024 // 8
+    assert layout == scenarios.fault_layout(32 * MiB, seed=1) != scenarios.fault_layout(32 * MiB, seed=2)
+
+
+def test_injected_host_allocation_fails_at_the_kth_backup_and_counts_the_rest():
+    torch = pytest.importorskip("torch")
+    host = scenarios.HostAllocationFails(torch, k=3)
+    kept = [host.empty(16, dtype=torch.uint8, device="cpu") for _ in range(2)]
+    assert host.empty(16, dtype=torch.uint8) is not None  # not a backup: not counted
+    with pytest.raises(RuntimeError, match="injected: pinned host allocation 3 failed"):
+        host.empty(16, dtype=torch.uint8, device="cpu")
+    assert host.alive() == 2 and host.uint8 is torch.uint8
+    del kept
+    assert host.alive() == 0
+
+
+def test_injected_map_failure_fails_only_the_kth_call():
+    mapped = []
+    fails = scenarios.MapFails(mapped.append, k=2)
+    fails("a")
+    with pytest.raises(RuntimeError, match="injected: map 2 failed"):
+        fails("b")
+    fails("c")
+    assert mapped == ["a", "c"]
+
+
+def test_checkpoint_leaves_a_provisional_result(tmp_path, monkeypatch):
+    monkeypatch.setattr(scenarios, "RESULT_PATH", str(tmp_path / "r.json"))
+    scenarios.checkpoint(scenarios.outcome("fail", "died using unmapped memory", step=4))
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc == {"outcome": "fail", "reason": "died using unmapped memory", "figures": {"step": 4},
+                   "provisional": True}
+
+
+def test_a_child_that_dies_after_its_checkpoint_reports_the_checkpoint(tmp_path):
+    staged = runner.Staged(Target("pristine", tmp_path), tmp_path / "cumem.py", tmp_path / "x.so", None)
+
+    def dies(argv, **kw):
+        out = Path(argv[argv.index("--out") + 1])
+        out.write_text(json.dumps({**scenarios.outcome("fail", "sleep failed; the process died when the "
+                                                               "tensors were next used"), "provisional": True}))
+        raise CommandError("python ... failed with exit code 139:\nSegmentation fault")
+
+    r = runner.run_scenario(staged, plan.BY_NAME["failing-sleep"], {}, tmp_path, timeout=5, run=dies)
+    assert r.outcome == FAIL
+    assert r.reason.endswith("(the process died: Segmentation fault)")
+
+
+def test_a_regression_guard_holds_whatever_pristine_does():
+    guard = plan.BY_NAME["double-wake"]
+    assert guard.guard and not guard.bug
+    for before in (PASS, FAIL):
+        rep = compare_report(PROVEN | {("pristine", "double-wake"): before})
+        assert report.row_verdict(rep, guard) == (True, f"regression guard (pristine {before.upper()}): not a proof")
+    rep = compare_report(PROVEN | {("patched", "double-wake"): FAIL})
+    assert report.row_verdict(rep, guard) == (False, "patched does not pass")
+
+
+def test_transaction_scenario_sizes_on_an_h200_and_a_small_gpu():
+    s = plan.plan_sizes(H200_FREE)
+    assert (s.churn_min, s.churn_max, s.churn_buffers) == (1 * GiB, 3 * GiB, 16)
+    assert s.churn_budget == 6 * GiB + 512 * MiB  # twice the largest buffer, the shards, a margin
+    assert (s.sleep_count, s.sleep_each, s.sleep_fail_at) == (8, 256 * MiB, 4)
+    assert (s.foreign_count, s.foreign_each) == (8, 1 * GiB)
+    assert (s.fault_bytes, s.fault_cycles) == (32 * MiB, 10_000)
+    for free in (600 * MiB, 24 * GiB, H200_FREE):
+        s = plan.plan_sizes(free)
+        for n in (s.sleep_each, s.churn_min, s.churn_max, s.churn_shard, s.churn_budget, s.foreign_each):
+            assert n > 0 and n % plan.GRANULARITY == 0
+        assert s.churn_budget < free // 2 and s.foreign_each * s.foreign_count <= free // 4
+    with pytest.raises(ConfigError, match="--fault-cycles must be at least 1"):
+        plan.plan_sizes(H200_FREE, fault_cycles=0)
+
+
 # --- the real extension, built without a driver -----------------------------------------------------
 
 
@@ -567,3 +660,18 @@ def test_the_pinned_cumem_py_loads_against_its_built_extension_on_a_cpu(pinned_t
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split()[-2:] == ["True", str(ext.resolve())]
+
+
+def test_help_names_exactly_the_scenarios_that_prove_a_fix(capsys):
+    # The --compare text is written by hand; it must name the scenarios the plan marks as proofs.
+    from sm12x_bundle.selftest import plan as selftest_plan
+
+    proofs = [s.number for s in selftest_plan.SCENARIOS if s.bug]
+    assert proofs == [1, 2, 3, 7, 8, 9, 11, 12]
+    with pytest.raises(SystemExit):
+        main(["selftest", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert text.count("scenarios 1-3, 7-9, 11 and 12 fail on") == 1
+    assert "scenarios 1-3, 7-9, 11 and 12 and the patched tree" in text
+    for s in selftest_plan.SCENARIOS:
+        assert f" {s.number} {s.name} " in text

@@ -9,34 +9,76 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import tempfile
+import textwrap
+import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from . import __version__
+from . import __version__, arguments, cmd
 from . import config as config_mod
 from .checks import check as check_mod
 from .checks import report
 from .context import Context
 from .errors import BundleError, ConfigError
-from .fsutil import write_file
+from .fsutil import add_force_argument, write_file
 from .progress import Progress
 
-EXIT_CODES = """\
-exit codes:
-  0   success (check: every patch applies)
-  10  check: no conflict, but some patch has landed upstream
-  20  check: some patch conflicts
-  2   could not run: an unexpected failure
-  3   could not run: the configuration is malformed
-  4   could not run: the pinned source could not be fetched or verified
-  5   could not run: the patch series is malformed or unsafe
-  6   apply/overlay/image: a patch does not apply
-  7   could not run: an external command (compiler, docker) failed
-  8   could not run: the container engine is unreachable or refused
-  9   a built artifact failed its verification
-"""
+# What each exit code means; a command's --help lists only the codes it can return
+# (EXIT_CODES here and in each plugin module), in its own words where it has them.
+MEANINGS = {
+    0: "success",
+    2: "could not run: a malformed command line (a usage error or a refused option value; nothing "
+    "ran), or an unexpected failure (a bug; the message says where its trace was written)",
+    3: "could not run: the configuration is malformed (the message names file:line: key)",
+    4: "could not run: the pinned source could not be fetched or verified",
+    5: "could not run: the patch series is malformed or unsafe",
+    6: "a patch does not apply",
+    7: "an external command (compiler, docker) failed",
+    8: "the container engine is unreachable or refused",
+    9: "a built artifact failed its verification",
+    10: "check: no conflict, but some patch has landed upstream",
+    11: "an output path is refused (it holds files this tool did not write, or it is a protected "
+    "folder): nothing was written",
+    20: "check: some patch conflicts",
+}
+# Every command can exit 0, 2 (the command line, or a bug) and 3 (the configuration).
+COMMON_CODES = (0, 2, 3)
+
+EXIT_CODES: dict[str, dict[int, str | None]] = {
+    "series": {5: None},
+    "check": {
+        0: "every patch applies",
+        10: "no conflict, but some patch has landed upstream",
+        20: "some patch conflicts",
+        4: "could not run: a release could not be fetched or verified",
+        5: None,
+    },
+    "apply": {4: None, 5: None, 6: None, 11: None},
+    "fetch": {4: None},
+}
+
+
+def exit_code_table(codes: dict[int, str | None]) -> str:
+    """The 'exit codes:' block of one command's --help (None: the common meaning)."""
+    merged: dict[int, str | None] = {c: None for c in COMMON_CODES}
+    merged.update(codes)
+    return "exit codes:\n" + _rows({c: merged[c] or MEANINGS[c] for c in merged})
+
+
+def _all_codes_table() -> str:
+    return "exit codes (each command's --help lists its own):\n" + _rows(MEANINGS)
+
+
+def _rows(meanings: dict[int, str]) -> str:
+    return "".join(
+        textwrap.fill(text, width=92, initial_indent=f"  {code:<4}", subsequent_indent=" " * 6) + "\n"
+        for code, text in sorted(meanings.items())
+    )
+
 
 DESCRIPTION = """\
 Build a patched vLLM for consumer Blackwell (SM120/SM121) sleep-mode rotation pools.
@@ -52,7 +94,7 @@ replaced by --config FILE when given.
 
 
 def _check_source(ctx: Context, version: str | None, fuzz: int) -> check_mod.VersionReport:
-    label = version or ctx.config.pin.version
+    label = ctx.config.pin.version if version is None else version
     try:
         source = ctx.source(version)
     except BundleError as exc:
@@ -76,11 +118,13 @@ def cmd_check(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def cmd_apply(ctx: Context, args: argparse.Namespace) -> int:
+    from .fsutil import check_replaceable, refuse_protected
     from .outputs.tree import write_tree
 
+    out = refuse_protected(args.out)
+    check_replaceable(out, args.force)  # before any download
     source = ctx.source()
-    out = Path(args.out)
-    result = write_tree(ctx.series, source, out, ctx.config.check.fuzz)
+    result = write_tree(ctx.series, source, out, ctx.config.check.fuzz, args.force)
     for res in result.results:
         ctx.progress.say(f"{res.patch}: {res.summary()}")
     print(f"patched vLLM {source.version} tree written to {out}")
@@ -100,23 +144,28 @@ def cmd_fetch(ctx: Context, args: argparse.Namespace) -> int:
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, metavar="FILE", help="configuration file (YAML)")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress output on stderr")
+    p.add_argument("-q", "--quiet", action="store_true", help="quiet: nothing on stderr but errors (no progress, no command lines)")
 
 
 def _commands() -> dict[str, tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable]]:
     """name -> (help, epilog, add_arguments, run)."""
 
     def check_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--vllm", action="append", metavar="VERSION", help="also check this vLLM release (repeatable)")
+        p.add_argument("--vllm", action="append", type=arguments.version, metavar="VERSION",
+                       help="also check this vLLM release (repeatable)")
         p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-        p.add_argument("--junit", metavar="FILE", help="also write a JUnit XML report to FILE")
-        p.add_argument("--fuzz", type=int, help="context lines a hunk may ignore (default 0)")
+        p.add_argument("--junit", type=arguments.writable_file, metavar="FILE",
+                       help="also write a JUnit XML report to FILE")
+        p.add_argument("--fuzz", type=arguments.non_negative_int, metavar="N",
+                       help="context lines a hunk may ignore, 0 or more (default: check.fuzz, 0)")
 
     def apply_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--out", required=True, metavar="DIR", help="where to write the patched tree")
+        add_force_argument(p, "replace DIR even if it holds files this tool did not write")
 
     def fetch_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--vllm", metavar="VERSION", help="fetch this release instead of the pin")
+        p.add_argument("--vllm", type=arguments.version, metavar="VERSION",
+                       help="fetch this release instead of the pin")
 
     def series_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--markdown", action="store_true", help="print the README's patch table")
@@ -152,6 +201,14 @@ def _commands() -> dict[str, tuple[str, str, Callable[[argparse.ArgumentParser],
     return commands
 
 
+def command_exit_codes() -> dict[str, dict[int, str | None]]:
+    """Each command's own exit codes: the built-in ones, then each plugin module's EXIT_CODES."""
+    codes = dict(EXIT_CODES)
+    for name in PLUGINS:
+        codes.update(importlib.import_module(f"sm12x_bundle.{name}").EXIT_CODES)
+    return codes
+
+
 # Output steps and the selftest register their own subcommands: each module has
 # COMMANDS = {name: (help, epilog, add_arguments(parser), run(ctx, args) -> int)}.
 PLUGINS = ("outputs.overlay", "outputs.image", "outputs.nomad", "selftest", "pipeline")
@@ -161,38 +218,79 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sm12x-bundle",
         description=DESCRIPTION,
-        epilog=EXIT_CODES,
+        epilog=_all_codes_table(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    codes = command_exit_codes()
     for name, (help_text, epilog, add_args, run) in _commands().items():
         p = sub.add_parser(
             name,
             help=help_text,
             description=help_text[0].upper() + help_text[1:] + ".",
-            epilog=epilog + "\n\n" + EXIT_CODES,
+            epilog=epilog + "\n\n" + exit_code_table(codes[name]),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         _add_common(p)
         add_args(p)
-        p.set_defaults(run=run)
+        p.set_defaults(run=run, command_parser=p)
     return parser
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """argparse, then the command's own check of options that depend on each other
+    (``check_args``, set by its add_arguments); both exit 2 with one sentence."""
+    args = parser.parse_args(argv)
+    check = getattr(args, "check_args", None)
+    problem = check(args) if check else None
+    if problem:
+        args.command_parser.error(problem)
+    return args
+
+
+def _unexpected(exc: Exception) -> int:
+    """A bug: one sentence naming it and where its trace went; SM12X_DEBUG=1 prints the trace."""
+    trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+    where = f" at {Path(frame.filename).name}:{frame.lineno}" if frame else ""
+    if os.environ.get("SM12X_DEBUG") == "1":
+        sys.stderr.write(trace)
+        saved = "printed above"
+    else:
+        saved = _save_trace(trace)
+    what = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line, whatever the exception holds
+    print(f"sm12x-bundle: error: unexpected failure, a bug in sm12x-bundle: {what}{where}; the full trace is {saved}",
+          file=sys.stderr)
+    return BundleError.exit_code
+
+
+def _save_trace(trace: str) -> str:
+    try:
+        fd, path = tempfile.mkstemp(prefix="sm12x-bundle-trace-", suffix=".txt")
+        with os.fdopen(fd, "w") as fh:
+            fh.write(trace)
+    except OSError as exc:
+        return f"not saved ({exc.strerror}); SM12X_DEBUG=1 prints it here"
+    return f"written to {path} (SM12X_DEBUG=1 prints it here)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)  # a malformed command line exits 2 here, before anything runs
     try:
         config = config_mod.load(args.config)
         progress = Progress.quiet() if args.quiet else Progress.stderr()
-        return args.run(Context(config, progress), args)
+        with cmd.echo_commands(not args.quiet):
+            return args.run(Context(config, progress), args)
     except BundleError as exc:
         print(f"sm12x-bundle: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("sm12x-bundle: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # noqa: BLE001 - a user sees a sentence, never a traceback
+        return _unexpected(exc)
 
 
 __all__ = ["main", "build_parser", "ConfigError"]

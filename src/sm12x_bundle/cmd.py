@@ -3,18 +3,36 @@
 Every subprocess the tool starts goes through :func:`run`, which echoes ``+ cmd`` to
 stderr (so an operator can rerun it by hand) and raises :class:`CommandError` with the
 command's own output when it fails. Unit tests patch this single function.
+Under ``-q`` (:func:`echo_commands` off) nothing is echoed; a failure still carries the
+command line and its output in the error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from .errors import CommandError
+
+# Whether run() echoes ``+ cmd``: one switch for the whole command, so that ``-q`` also
+# silences the commands started deep inside a step (the host compile of the overlays).
+_echo_on = True
+
+
+@contextlib.contextmanager
+def echo_commands(on: bool) -> Iterator[None]:
+    """Echo (or not) every command run inside the block."""
+    global _echo_on
+    before, _echo_on = _echo_on, on
+    try:
+        yield
+    finally:
+        _echo_on = before
 
 
 def run(
@@ -28,7 +46,7 @@ def run(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``argv``; return the completed process or raise CommandError."""
     args = [os.fspath(a) for a in argv]
-    if echo:
+    if echo and _echo_on:
         print("+ " + shlex.join(args), file=sys.stderr, flush=True)
     try:
         proc = subprocess.run(

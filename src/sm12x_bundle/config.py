@@ -3,19 +3,23 @@
 Resolution order (later wins, whole document, never merged key by key):
 the embedded default (``data/default.yaml``) -> ``sm12x-bundle.yaml`` in the working
 directory -> ``--config FILE``. Unknown keys are rejected with the nearest valid key
-suggested, and every error names the file, the line and the key.
+suggested, every value is checked when the document is loaded (ranges, names, versions,
+references between jobs and targets), and every error names the file, the line and the key.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import posixpath
+import re
 import types
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -241,8 +245,11 @@ def _did_you_mean(word: str, choices: typing.Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _convert(tp: Any, node: _Node, where: str, origin: str) -> Any:
-    """Turn a located YAML value into the annotated type, or raise a located error."""
+def _convert(tp: Any, node: _Node, where: str, origin: str, lines: dict[str, int]) -> Any:
+    """Turn a located YAML value into the annotated type, or raise a located error.
+
+    ``lines`` collects the line of every key and list item, so the checks that run
+    after the whole document is read can still name file:line:key."""
     at = f"{origin}:{node.line}: {where}"
     origin_tp = typing.get_origin(tp)
     if origin_tp in (typing.Union, types.UnionType):
@@ -250,18 +257,23 @@ def _convert(tp: Any, node: _Node, where: str, origin: str) -> Any:
         if node.value is None and type(None) in args:
             return None
         (inner,) = [a for a in args if a is not type(None)]
-        return _convert(inner, node, where, origin)
+        return _convert(inner, node, where, origin, lines)
     if dataclasses.is_dataclass(tp):
-        return _build(tp, node, where, origin)
+        return _build(tp, node, where, origin, lines)
     if origin_tp is tuple:
         if not isinstance(node.value, list):
             raise ConfigError(f"{at} must be a list")
         inner = typing.get_args(tp)[0]
-        return tuple(_convert(inner, v, f"{where}[{i}]", origin) for i, v in enumerate(node.value))
+        items = []
+        for i, v in enumerate(node.value):
+            lines[f"{where}[{i}]"] = v.line
+            items.append(_convert(inner, v, f"{where}[{i}]", origin, lines))
+        return tuple(items)
     if origin_tp is dict:
         if not isinstance(node.value, dict):
             raise ConfigError(f"{at} must be a mapping")
-        return {k: _convert(str, v, f"{where}.{k}", origin) for k, v in node.value.items()}
+        lines.update({f"{where}.{k}": node.lines.get(k, node.line) for k in node.value})
+        return {k: _convert(str, v, f"{where}.{k}", origin, lines) for k, v in node.value.items()}
     value = node.value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -272,7 +284,7 @@ def _convert(tp: Any, node: _Node, where: str, origin: str) -> Any:
     return value
 
 
-def _build(cls: type, node: _Node, where: str, origin: str) -> Any:
+def _build(cls: type, node: _Node, where: str, origin: str, lines: dict[str, int]) -> Any:
     if not isinstance(node.value, dict):
         raise ConfigError(f"{origin}:{node.line}: {where or 'the document'} must be a mapping")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in ("origin", "base_dir")}
@@ -283,7 +295,8 @@ def _build(cls: type, node: _Node, where: str, origin: str) -> Any:
         if key not in fields:
             line = node.lines.get(key, node.line)
             raise ConfigError(f"{origin}:{line}: unknown key {name!r}{_did_you_mean(key, fields)}")
-        kwargs[key] = _convert(hints[key], value, name, origin)
+        lines[name] = node.lines.get(key, node.line)
+        kwargs[key] = _convert(hints[key], value, name, origin, lines)
     missing = [
         n
         for n, f in fields.items()
@@ -297,26 +310,341 @@ def _build(cls: type, node: _Node, where: str, origin: str) -> Any:
 
 
 def parse(text: str, origin: str, base_dir: Path) -> Config:
-    """Parse one YAML document into a Config (pure: no file access)."""
-    config = _build(Config, _compose(text, origin), "", origin)
+    """Parse one YAML document into a Config and check every value (pure: no file access)."""
+    lines: dict[str, int] = {}
+    config = _build(Config, _compose(text, origin), "", origin, lines)
     config = dataclasses.replace(config, origin=origin, base_dir=str(base_dir))
-    _check_unique(config)
+    validate(config, lines)
     return config
 
 
-def _check_unique(config: Config) -> None:
-    for kind, items in (("target", config.targets), ("job", config.jobs)):
-        names = [i.name for i in items]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ConfigError(f"{config.origin}: {kind} names must be unique: {', '.join(dupes)}")
-    known = {t.name for t in config.targets}
-    for job in config.jobs:
-        if job.target not in known:
-            raise ConfigError(
-                f"{config.origin}: job {job.name!r} names target {job.target!r}, "
-                f"which is not in targets{_did_you_mean(job.target, known)}"
+# --- checking values ---------------------------------------------------------
+#
+# Every value is checked here, at load, so `build --dry-run` refuses what `build` would
+# refuse, before anything is fetched or written. The value checks are shared with the
+# command line (arguments.py), so `--vllm ''` and `pin.version: ''` get the same sentence.
+
+_VERSION = re.compile(r"[0-9]+(\.[0-9]+)*((a|b|rc)[0-9]+)?(\.post[0-9]+)?(\.dev[0-9]+)?(\+[A-Za-z0-9.]+)?")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+# One path component that is not '.' or '..': it names a folder.
+_FOLDER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# A job name names a Nomad job, its service (a DNS label) and its files.
+_JOB_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+_ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Docker's reference grammar (distribution/reference), without the rarely used corners.
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+# A registry host is told apart from a path the way Docker does: it has a '.', a port, or is localhost.
+_DOMAIN = r"(?:(?:localhost|[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)+|[A-Za-z0-9-]+(?=:[0-9]+/))(?::[0-9]+)?/)?"
+_TAG = r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?"
+_IMAGE_TAG = re.compile(rf"{_DOMAIN}{_COMPONENT}(?:/{_COMPONENT})*{_TAG}")
+_IMAGE_REF = re.compile(rf"{_DOMAIN}{_COMPONENT}(?:/{_COMPONENT})*{_TAG}(?:@sha256:[0-9a-f]{{64}})?")
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+
+DELIVERIES = ("host", "artifact")
+ALLOCATIONS = ("device", "shared")
+PROVIDERS = ("nomad", "consul")
+
+
+def version_problem(value: str) -> str | None:
+    if not _VERSION.fullmatch(value):
+        return f"must be a vLLM release version such as 0.21.0, not {value!r}"
+    return None
+
+
+def sha256_problem(value: str) -> str | None:
+    if not _SHA256.fullmatch(value):
+        return f"must be 64 lowercase hex digits (a sha256), not {value!r}"
+    return None
+
+
+def digest_problem(value: str) -> str | None:
+    if not _DIGEST.fullmatch(value):
+        return f"must be a registry digest 'sha256:' + 64 lowercase hex digits, not {value!r}"
+    return None
+
+
+def image_problem(value: str, digest_allowed: bool = True) -> str | None:
+    pattern = _IMAGE_REF if digest_allowed else _IMAGE_TAG
+    if not pattern.fullmatch(value):
+        return f"must be an image reference such as vllm/vllm-openai:v0.21.0, not {value!r}"
+    return None
+
+
+def url_problem(value: str, schemes: tuple[str, ...] = ("http", "https", "file")) -> str | None:
+    parts = urlsplit(value)
+    if parts.scheme not in schemes or (parts.scheme != "file" and not parts.netloc):
+        return f"must be a URL starting with {' or '.join(s + '://' for s in schemes)}, not {value!r}"
+    return None
+
+
+def folder_name_problem(value: str) -> str | None:
+    if not _FOLDER_NAME.fullmatch(value):
+        return (
+            "must be letters, digits, '.', '_' or '-', starting with a letter or digit "
+            f"(it names a folder), not {value!r}"
+        )
+    return None
+
+
+def absolute_problem(value: str) -> str | None:
+    if not value.startswith("/") or posixpath.normpath(value) != value:
+        return f"must be a normalised absolute path, not {value!r}"
+    return None
+
+
+def text_problem(value: str) -> str | None:
+    return "must not be empty" if not value.strip() else None
+
+
+def line_problem(value: str) -> str | None:
+    """A value that lands on one line (a Dockerfile label, a RUN line)."""
+    if "\n" in value or "\r" in value:
+        return f"must be one line, not {value!r}"
+    return text_problem(value)
+
+
+class _Where:
+    """Turns a key path (``jobs[1].port``) into ``file:line: key``: the key's own line
+    when the file wrote it, else the nearest enclosing key's."""
+
+    def __init__(self, origin: str, lines: dict[str, int]):
+        self.origin = origin
+        self.lines = lines
+
+    def line(self, key: str) -> int:
+        while key:
+            if key in self.lines:
+                return self.lines[key]
+            parent = re.fullmatch(r"(.*)(\.[^.\[]*|\[\d+\])", key)
+            key = parent.group(1) if parent else ""
+        return 1
+
+    def fail(self, key: str, problem: str) -> typing.NoReturn:
+        raise ConfigError(f"{self.origin}:{self.line(key)}: {key}: {problem}")
+
+    def check(self, key: str, problem: str | None) -> None:
+        if problem:
+            self.fail(key, problem)
+
+
+def validate(config: Config, lines: dict[str, int]) -> None:
+    """Refuse the first value that a later step would refuse, naming file:line:key."""
+    at = _Where(config.origin, lines)
+    _check_pin(config.pin, at)
+    if config.series is not None:
+        at.check("series", text_problem(config.series))
+    for i, v in enumerate(config.check.versions):
+        at.check(f"check.versions[{i}]", version_problem(v))
+    if config.check.fuzz < 0:
+        at.fail("check.fuzz", f"must be 0 or more (context lines a hunk may ignore), not {config.check.fuzz}")
+    at.check("output.dir", text_problem(config.output.dir))
+    at.check("output.overlays", text_problem(config.output.overlays))
+    _check_targets(config.targets, at)
+    _check_image(config.image, at)
+    _check_jobs(config, at)
+
+
+def _check_pin(pin: PinConfig, at: _Where) -> None:
+    at.check("pin.version", version_problem(pin.version))
+    at.check("pin.sha256", sha256_problem(pin.sha256))
+    if pin.index_url is not None:
+        at.check("pin.index_url", url_problem(pin.index_url))
+    if pin.source is not None:
+        at.check("pin.source", text_problem(pin.source))
+
+
+def _check_targets(targets: tuple[TargetConfig, ...], at: _Where) -> None:
+    seen: set[str] = set()
+    for i, t in enumerate(targets):
+        key = f"targets[{i}]"
+        at.check(f"{key}.name", folder_name_problem(t.name))
+        if t.name in seen:
+            at.fail(f"{key}.name", f"target names must be unique: {t.name!r} is already a target")
+        seen.add(t.name)
+        at.check(f"{key}.image", image_problem(t.image))
+        if t.root is not None:
+            at.check(f"{key}.root", absolute_problem(t.root))
+
+
+def _check_image(image: ImageConfig, at: _Where) -> None:
+    at.check("image.base", image_problem(image.base))
+    if image.base_digest is not None:
+        at.check("image.base_digest", digest_problem(image.base_digest))
+    at.check("image.tag", image_problem(image.tag, digest_allowed=False))
+    if image.root is not None:
+        at.check("image.root", absolute_problem(image.root))
+    at.check("image.source_url", line_problem(image.source_url) or url_problem(image.source_url, ("http", "https")))
+    for key in ("revision", "builder_setup"):
+        if getattr(image, key) is not None:
+            at.check(f"image.{key}", line_problem(getattr(image, key)))
+    if image.builder_base is not None:
+        at.check("image.builder_base", image_problem(image.builder_base))
+    at.check("image.cuda_home", absolute_problem(image.cuda_home))
+
+
+def _check_jobs(config: Config, at: _Where) -> None:
+    known = [t.name for t in config.targets]
+    seen: set[str] = set()
+    for i, job in enumerate(config.jobs):
+        key = f"jobs[{i}]"
+        if not _JOB_NAME.fullmatch(job.name):
+            at.fail(
+                f"{key}.name",
+                "a job name is letters, digits and dashes, at most 63 (it names the service and the files), "
+                f"not {job.name!r}",
             )
+        if job.name in seen:
+            at.fail(f"{key}.name", f"job names must be unique: {job.name!r} is already a job")
+        seen.add(job.name)
+        if job.target not in known:
+            hint = _did_you_mean(job.target, known)
+            at.fail(f"{key}.target", f"job {job.name!r} names target {job.target!r}, which is not in targets{hint}")
+        for check in _JOB_CHECKS:
+            check(job, key, at)
+    _check_peer_ports(config, at)
+
+
+def _job_text(job: JobConfig, key: str, at: _Where) -> None:
+    at.check(f"{key}.model", text_problem(job.model))
+    if job.served_model_name is not None:
+        at.check(f"{key}.served_model_name", text_problem(job.served_model_name))
+    for i, dc in enumerate(job.datacenters):
+        at.check(f"{key}.datacenters[{i}]", text_problem(dc))
+    if not job.datacenters:
+        at.fail(f"{key}.datacenters", "must name at least one datacenter")
+    for attribute, value in sorted(job.node_constraints.items()):
+        at.check(f"{key}.node_constraints.{attribute}", text_problem(attribute) or text_problem(value))
+
+
+def _job_choices(job: JobConfig, key: str, at: _Where) -> None:
+    for name, value, choices in (
+        ("overlay_delivery", job.overlay_delivery, DELIVERIES),
+        ("gpu_allocation", job.gpu_allocation, ALLOCATIONS),
+        ("service_provider", job.service_provider, PROVIDERS),
+    ):
+        if value not in choices:
+            at.fail(f"{key}.{name}", f"unknown {name} {value!r}: choose one of {', '.join(choices)}")
+
+
+def _job_gpus(job: JobConfig, key: str, at: _Where) -> None:
+    if job.gpus < 1:
+        at.fail(f"{key}.gpus", f"must be 1 or more, not {job.gpus}")
+    if job.tensor_parallel_size != job.gpus:
+        at.fail(
+            f"{key}.tensor_parallel_size",
+            f"tensor_parallel_size {job.tensor_parallel_size} needs as many GPUs, "
+            f"but gpus is {job.gpus}: set both to the same number",
+        )
+    if job.gpu_allocation == "shared" and len(job.gpu_ids) != job.gpus:
+        at.fail(f"{key}.gpu_ids", f"gpu_allocation 'shared' needs gpu_ids listing the {job.gpus} GPUs it shares")
+    if len(set(job.gpu_ids)) != len(job.gpu_ids) or not all(g.strip() for g in job.gpu_ids):
+        at.fail(f"{key}.gpu_ids", "must name each GPU once, none empty")
+    if job.gpu_allocation == "device" and job.gpu_ids:
+        at.fail(f"{key}.gpu_ids", "gpu_ids apply to gpu_allocation 'shared'; the device plugin picks the GPUs")
+    if job.gpu_model is not None:
+        _job_gpu_model(job, key, at)
+
+
+def _job_gpu_model(job: JobConfig, key: str, at: _Where) -> None:
+    if job.gpu_allocation == "shared":
+        at.fail(
+            f"{key}.gpu_model",
+            "gpu_model constrains ${device.model}, which only gpu_allocation 'device' has; "
+            "pin shared GPUs with node_constraints",
+        )
+    try:
+        re.compile(job.gpu_model or "")
+    except re.error as exc:
+        at.fail(f"{key}.gpu_model", f"is not a regular expression: {exc}")
+
+
+def _job_memory(job: JobConfig, key: str, at: _Where) -> None:
+    from .outputs.nomad import check_budget  # the budget's arithmetic lives with the notes it feeds
+
+    if job.gpu_capacity_gib <= 0:
+        at.fail(f"{key}.gpu_capacity_gib", f"must be positive, not {job.gpu_capacity_gib:g}")
+    if not 0 < job.gpu_memory_utilization <= 1:
+        at.fail(f"{key}.gpu_memory_utilization", f"must be in (0, 1], not {job.gpu_memory_utilization:g}")
+    for name in ("non_cumem_gib", "peer_residue_gib"):
+        if getattr(job, name) < 0:
+            at.fail(f"{key}.{name}", f"must be 0 or more, not {getattr(job, name):g}")
+    util = f"{key}.gpu_memory_utilization"
+    check_budget(job, f"{at.origin}:{at.line(util)}: {util}")
+
+
+def _job_sizes(job: JobConfig, key: str, at: _Where) -> None:
+    for name in ("cpu_mhz", "memory_mb", "shm_size_mb", "disk_mb", "load_time_s", "kill_timeout_s"):
+        if getattr(job, name) <= 0:
+            at.fail(f"{key}.{name}", f"must be positive, not {getattr(job, name)}")
+    if job.max_model_len is not None and job.max_model_len <= 0:
+        at.fail(f"{key}.max_model_len", f"must be positive, not {job.max_model_len}")
+    if not 0 < job.port < 65536:
+        at.fail(f"{key}.port", f"port must be in 1-65535, not {job.port}")
+
+
+def _job_timing(job: JobConfig, key: str, at: _Where) -> None:
+    if job.healthy_deadline_s <= job.load_time_s:
+        at.fail(
+            f"{key}.healthy_deadline_s",
+            f"healthy_deadline_s ({job.healthy_deadline_s}) must exceed load_time_s ({job.load_time_s}), "
+            "or every deployment fails while the model loads",
+        )
+    if job.progress_deadline_s <= job.healthy_deadline_s:
+        at.fail(
+            f"{key}.progress_deadline_s",
+            f"progress_deadline_s ({job.progress_deadline_s}) must exceed healthy_deadline_s "
+            f"({job.healthy_deadline_s}) (Nomad refuses the update block otherwise)",
+        )
+    if not 0 <= job.min_healthy_time_s < job.healthy_deadline_s:
+        at.fail(f"{key}.min_healthy_time_s", "min_healthy_time_s must be at least 0 and less than healthy_deadline_s")
+
+
+def _job_delivery(job: JobConfig, key: str, at: _Where) -> None:
+    if job.overlay_delivery == "host":
+        at.check(f"{key}.overlay_host_dir", absolute_problem(job.overlay_host_dir))
+        return
+    url = job.artifact_base_url
+    if not url:
+        needs = "overlay_delivery 'artifact' needs artifact_base_url (where overlays/ is served)"
+        at.fail(f"{key}.artifact_base_url", needs)
+    parts = urlsplit(url)
+    if url_problem(url, ("http", "https")) or parts.query or parts.fragment:
+        at.fail(f"{key}.artifact_base_url", f"artifact_base_url must be a plain http(s) URL, not {url!r}")
+
+
+def _job_container(job: JobConfig, key: str, at: _Where) -> None:
+    from .outputs.nomad import MANAGED_FLAGS, managed_env  # what the renderer writes itself
+
+    if not job.entrypoint or not all(job.entrypoint):
+        at.fail(f"{key}.entrypoint", "entrypoint must not be empty (it replaces the image's ENTRYPOINT)")
+    for i, arg in enumerate(job.extra_args):
+        flag = arg.split("=", 1)[0]
+        if flag in MANAGED_FLAGS:
+            at.fail(f"{key}.extra_args[{i}]", f"extra_args sets {flag}, which comes from the job's own keys; use those")
+    managed = managed_env(job)
+    for name in sorted(job.env):
+        if not _ENV_KEY.fullmatch(name):
+            at.fail(f"{key}.env.{name}", f"env key {name!r} is not a valid variable name")
+        if name in managed:
+            at.fail(f"{key}.env.{name}", f"env {name} is set by sm12x-bundle ({managed[name]!r}); remove it from env")
+    for container, host in sorted(job.host_mounts.items()):
+        at.check(f"{key}.host_mounts.{container}", absolute_problem(container) or absolute_problem(host))
+
+
+_JOB_CHECKS = (_job_text, _job_choices, _job_gpus, _job_memory, _job_sizes, _job_timing, _job_delivery, _job_container)
+
+
+def _check_peer_ports(config: Config, at: _Where) -> None:
+    """Peers pinned to the same node cannot share a static port."""
+    seen: dict[tuple, str] = {}
+    for i, job in enumerate(config.jobs):
+        if job.gpu_allocation != "shared":
+            continue
+        node = (job.port, tuple(sorted(job.node_constraints.items())))
+        if node in seen:
+            peers = f"jobs {seen[node]!r} and {job.name!r}"
+            at.fail(f"jobs[{i}].port", f"{peers} share a node and both use port {job.port}")
+        seen[node] = job.name
 
 
 def default_text() -> str:

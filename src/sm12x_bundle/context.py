@@ -30,6 +30,7 @@ class Context:
     config: Config
     progress: Progress = field(default_factory=Progress.stderr)
     cache_dir: Path | None = None
+    _sources: dict[str | None, SourceTree] = field(default_factory=dict, init=False, repr=False)
 
     @cached_property
     def series(self) -> Series:
@@ -42,7 +43,17 @@ class Context:
         return Pin(pin.version, pin.sha256) if pin.sha256 else Pin.for_version(pin.version)
 
     def source(self, version: str | None = None) -> SourceTree:
-        """The pinned tree, or (given ``version``) that release fetched the same way."""
+        """The pinned tree, or (given ``version``) that release fetched the same way.
+
+        Verified (sdist hash, tree record) on the first call for a release in this run;
+        later calls give the same tree without reading it again.
+        """
+        key = None if version == self.config.pin.version else version
+        if key not in self._sources:
+            self._sources[key] = self._resolve(key)
+        return self._sources[key]
+
+    def _resolve(self, version: str | None) -> SourceTree:
         pin = self.config.pin
         if version is None or version == pin.version:
             local = self.config.resolve(pin.source) if pin.source else None

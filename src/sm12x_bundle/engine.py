@@ -47,6 +47,14 @@ class Mount:
     read_only: bool = True
 
 
+@dataclass(frozen=True)
+class ImageFile:
+    """A file as an image holds it: its bytes and its permission bits."""
+
+    data: bytes
+    mode: int
+
+
 class Engine(Protocol):
     def ping(self) -> None: ...
 
@@ -54,7 +62,13 @@ class Engine(Protocol):
 
     def image_labels(self, ref: str) -> dict[str, str]: ...
 
+    def repo_digests(self, ref: str) -> list[str]: ...
+
+    def tag(self, ref: str, repository: str, tag: str) -> None: ...
+
     def read_files(self, ref: str, paths: list[str]) -> dict[str, bytes | None]: ...
+
+    def read_entries(self, ref: str, paths: list[str]) -> dict[str, ImageFile | None]: ...
 
     def run(
         self,
@@ -86,7 +100,8 @@ def daemon_address() -> str:
 def _unreachable(exc: Exception) -> EngineError:
     return EngineError(
         f"the Docker daemon at {daemon_address()} does not answer ({_reason(exc)}): "
-        "start one (.ci/dockerd.sh start) or point DOCKER_HOST at a running daemon"
+        "start Docker Engine (as root: 'systemctl start docker', or run 'dockerd'), or set DOCKER_HOST "
+        "to the socket of a daemon that runs (rootless Docker: unix:///run/user/<uid>/docker.sock)"
     )
 
 
@@ -140,8 +155,18 @@ class DockerEngine:
     def image_labels(self, ref: str) -> dict[str, str]:
         return dict(self._image(ref).labels or {})
 
+    def repo_digests(self, ref: str) -> list[str]:
+        """``name@sha256:...`` per repository the image was pulled from or pushed to (none: built here)."""
+        return list(self._image(ref).attrs.get("RepoDigests") or [])
+
+    def tag(self, ref: str, repository: str, tag: str) -> None:
+        self._call(f"image {ref}", self.client.api.tag, ref, repository, tag)
+
     def read_files(self, ref: str, paths: list[str]) -> dict[str, bytes | None]:
-        """Read files out of an image through one created (never started) container."""
+        return {p: None if f is None else f.data for p, f in self.read_entries(ref, paths).items()}
+
+    def read_entries(self, ref: str, paths: list[str]) -> dict[str, ImageFile | None]:
+        """Read files (bytes and mode) out of an image through one created (never started) container."""
         self._image(ref)
         container = self._call(
             f"image {ref}",
@@ -157,7 +182,7 @@ class DockerEngine:
         finally:
             self._call(f"image {ref}", container.remove, force=True)
 
-    def _read_one(self, container: Any, ref: str, path: str) -> bytes | None:
+    def _read_one(self, container: Any, ref: str, path: str) -> ImageFile | None:
         import docker
 
         for _ in range(_SYMLINK_HOPS):
@@ -171,7 +196,8 @@ class DockerEngine:
             if member.issym():
                 path = posixpath.normpath(posixpath.join(posixpath.dirname(path), member.linkname))
                 continue
-            return data if member.isfile() else None
+            # The archive's header carries the file's mode as the image holds it.
+            return ImageFile(data, member.mode & 0o777) if member.isfile() and data is not None else None
         raise EngineError(f"image {ref}: {path} is a chain of more than {_SYMLINK_HOPS} symlinks")
 
     def run(
@@ -311,12 +337,13 @@ if root and versions["vllm"] is None:
         versions["vllm"] = m.group(1) if m else None
     except OSError:
         pass
-files, bytecode = {}, {}
+files, modes, bytecode = {}, {}, {}
 for path in wanted if root else ():
     inside = root + path[len("vllm"):]
     try:
         with open(inside, "rb") as fh:
             files[path] = base64.b64encode(fh.read()).decode()
+            modes[path] = os.fstat(fh.fileno()).st_mode & 0o777
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         files[path] = None
     folder, name = os.path.split(inside)
@@ -329,7 +356,7 @@ if root:
         error = None if os.path.dirname(os.path.abspath(vllm.__file__)) == root else "another vllm imports first"
     except BaseException as exc:
         error = f"{type(exc).__name__}: {exc}"
-answer = {"root": root, "found": found, "versions": versions, "import_error": error, "files": files, "bytecode": bytecode}
+answer = {"root": root, "found": found, "versions": versions, "import_error": error, "files": files, "modes": modes, "bytecode": bytecode}
 print("SM12X-PROBE " + json.dumps(answer))
 """
 _SEARCH_ROOTS = ("/usr/local/lib", "/usr/lib", "/opt", "/app", "/workspace", "/vllm-workspace", "/root", "/home")
@@ -345,6 +372,7 @@ class VllmProbe:
     import_error: str | None  # None: `import vllm` works in this image
     files: dict[str, bytes | None] = field(default_factory=dict)  # vllm/... path -> bytes (None: absent)
     bytecode: dict[str, list[str]] = field(default_factory=dict)  # vllm/... path -> its cached .pyc files
+    modes: dict[str, int] = field(default_factory=dict)  # vllm/... path -> permission bits (files read)
 
     @property
     def importable(self) -> bool:
@@ -375,5 +403,6 @@ def probe_vllm(engine: Engine, ref: str, root: str | None = None, paths: Sequenc
         raise EngineError(f"image {ref} holds no vLLM: neither its python3 nor a search found vllm/__init__.py")
     versions = {key: answer["versions"].get(dist) for dist, key in VERSION_KEYS.items()}
     files = {p: None if b is None else base64.b64decode(b) for p, b in answer["files"].items()}
-    return VllmProbe(answer["root"], versions, answer["import_error"], files, answer["bytecode"])
+    modes = {p: int(m) for p, m in answer.get("modes", {}).items()}
+    return VllmProbe(answer["root"], versions, answer["import_error"], files, answer["bytecode"], modes)
 

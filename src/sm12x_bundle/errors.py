@@ -52,3 +52,11 @@ class VerifyError(BundleError):
     """A built artifact failed its check (hash, compile, import, pre-image)."""
 
     exit_code = 9
+
+
+class OutputError(BundleError):
+    """An output path is refused: it holds files this tool did not write, or it is
+    the working directory, the home folder, the root or a folder above the working
+    directory. Nothing was written."""
+
+    exit_code = 11

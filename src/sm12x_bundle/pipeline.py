@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import fsutil
 from .checks.check import Outcome, VersionReport, check_tree
 from .context import Context
 from .errors import ApplyError
@@ -26,6 +27,7 @@ class Run:
     ctx: Context
     out: Path
     verify: bool | None
+    force: bool = False
     source: SourceTree | None = None
     report: VersionReport | None = None
     summary: list[str] = field(default_factory=list)
@@ -57,19 +59,23 @@ def _check(run: Run) -> str:
     return f"{len(run.report.results)} patches apply at fuzz {run.ctx.config.check.fuzz}, series sha256 {run.ctx.series.sha256[:16]}"
 
 
+def tree_folder(out: Path, version: str) -> Path:
+    return out / f"vllm-{version}-sm12x"
+
+
 def _tree(run: Run) -> str:
     from .outputs.tree import write_tree
 
     assert run.source is not None
-    dest = run.out / f"vllm-{run.source.version}-sm12x"
-    write_tree(run.ctx.series, run.source, dest, run.ctx.config.check.fuzz)
+    dest = tree_folder(run.out, run.source.version)
+    write_tree(run.ctx.series, run.source, dest, run.ctx.config.check.fuzz, run.force)
     return f"patched tree in {dest} ({len(run.ctx.series.paths)} files changed or added)"
 
 
 def _overlays(run: Run) -> str:
     from .outputs import overlay
 
-    written = overlay.make_and_write(run.ctx, verify=run.verify)
+    written = overlay.make_and_write(run.ctx, verify=run.verify, force=run.force)
     lines = [f"{ov.target}: {folder} ({len(ov.files)} files)" for ov, folder in written]
     checked = "verified in the target images" if any(ov.image_id for ov, _ in written) else (
         "from the pinned tree (no Docker daemon: not verified in an image)"
@@ -83,7 +89,7 @@ def _nomad(run: Run) -> str:
     config = run.ctx.config
     files = nomad.render_jobs(config, nomad.find_manifests(config))
     dest = run.out / "nomad"
-    nomad.write_jobs(files, dest)
+    nomad.write_jobs(files, dest, run.force)
     return f"Nomad specs in {dest}: {len(config.jobs)} jobs, HCL parsed back, memory budgets fit"
 
 
@@ -94,7 +100,7 @@ def _image(run: Run) -> str:
     engine = docker_engine()
     engine.ping()
     cfg = run.ctx.config.image
-    result = image.build_bundle(run.ctx, cfg, engine, run.out / "image", push=cfg.push)
+    result = image.build_bundle(run.ctx, cfg, engine, run.out / "image", push=cfg.push, force=run.force)
     return f"image {result.tag} ({result.image_id[:19]}): {result.checked} files match the manifest"
 
 
@@ -105,7 +111,7 @@ def plan(ctx: Context, build_image: bool = False) -> list[Step]:
     steps = [
         Step("pin", "the cache", _pin),
         Step("check", "-", _check),
-        Step("tree", f"{out}/vllm-{config.pin.version}-sm12x", _tree),
+        Step("tree", str(tree_folder(Path(out), config.pin.version)), _tree),
     ]
     if config.targets:
         steps.append(Step("overlays", f"{config.output.overlays}/", _overlays))
@@ -116,6 +122,26 @@ def plan(ctx: Context, build_image: bool = False) -> list[Step]:
     return steps
 
 
+def check_outputs(ctx: Context, steps: list[Step], force: bool = False) -> Path:
+    """Refuse, before the pin is fetched, every output folder the steps would replace or
+    write into that this tool did not write (OutputError); return output.dir."""
+    from .outputs import overlay
+
+    config, names = ctx.config, {s.name for s in steps}
+    out = fsutil.refuse_protected(config.output.dir, "output.dir folder")
+    if "tree" in names:
+        fsutil.check_replaceable(tree_folder(out, config.pin.version), force)
+    if "overlays" in names:
+        overlay.check_targets_output(overlay.overlays_root(ctx, None), config.targets, force)
+    if "nomad" in names:
+        specs = {f"{job.name}.nomad.{ext}": None for job in config.jobs for ext in ("hcl", "json")}
+        fsutil.check_files(out / "nomad", specs, force, "Nomad folder")
+    if "image" in names:
+        for sub in ("builder", "bundle"):
+            fsutil.check_replaceable(out / "image" / sub, force, "image build context folder")
+    return out
+
+
 def cmd_build(ctx: Context, args: argparse.Namespace) -> int:
     steps = plan(ctx, args.image)
     if args.dry_run:
@@ -123,7 +149,7 @@ def cmd_build(ctx: Context, args: argparse.Namespace) -> int:
             print(f"{n}. {step.name:<9} -> {step.destination}")
         return 0
     verify = False if args.no_verify else None
-    run = Run(ctx, Path(ctx.config.output.dir), verify)
+    run = Run(ctx, check_outputs(ctx, steps, args.force), verify, args.force)
     for n, step in enumerate(steps, 1):
         ctx.progress.say(f"== [{n}/{len(steps)}] {step.name}")
         run.summary.append(f"{step.name:<9} {step.run(run)}")
@@ -135,7 +161,10 @@ def _build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the steps and where each output goes; do nothing")
     p.add_argument("--image", action="store_true", help="also build the bundle image (needs a Docker daemon)")
     p.add_argument("--no-verify", action="store_true", help="do not verify overlays inside the target images")
+    fsutil.add_force_argument(p, "write the outputs even into folders that hold files this tool did not write")
 
+
+EXIT_CODES = {"build": {4: None, 5: None, 6: None, 7: None, 8: None, 9: None, 11: None}}
 
 COMMANDS = {
     "build": (

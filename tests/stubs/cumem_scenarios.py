@@ -134,7 +134,21 @@ def wake_set_access_fails(h: Harness) -> dict:
 def malloc_map_fails(h: Harness) -> dict:
     h.fail_next("cuMemMap", CUDA_ERROR_OUT_OF_MEMORY)
     failed = h.malloc()
-    return {"malloc_returned": failed, "after": h.counts()}
+    return {"malloc_returned": failed, "after": h.counts(), "registered": len(h.handles)}
+
+
+def wake_awake_allocation(h: Harness) -> dict:
+    """create_and_map on an allocation that is still mapped (what a second wake_up
+    asks of the extension), then a sleep and a wake of it."""
+    a = h.malloc()
+    ha = h.handles[a]
+    error = h.call(h.ext.python_create_and_map, ha)
+    after_failure = h.counts()
+    sleep_error = h.call(h.ext.python_unmap_and_release, ha)
+    asleep = h.counts()
+    wake_error = h.call(h.ext.python_create_and_map, ha)
+    return {"error": error, "after_failure": after_failure, "sleep_error": sleep_error,
+            "asleep": asleep, "wake_error": wake_error, "awake": h.counts()}
 
 
 def healthy_round_trip(h: Harness) -> dict:
@@ -152,7 +166,7 @@ def healthy_round_trip(h: Harness) -> dict:
 
 SCENARIOS = {f.__name__: f for f in (
     stale_after_free, stale_after_malloc, own_error, wake_map_fails,
-    wake_set_access_fails, malloc_map_fails, healthy_round_trip,
+    wake_set_access_fails, malloc_map_fails, wake_awake_allocation, healthy_round_trip,
 )}
 
 if __name__ == "__main__":

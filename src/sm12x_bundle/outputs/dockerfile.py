@@ -13,12 +13,34 @@ import re
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from ..errors import ConfigError, VerifyError
 from ..fsutil import replace_dir
 
 # A build context in memory: relative path -> (bytes, mode). None: made by the builder.
 ContextFiles = dict[str, tuple[bytes | None, int]]
+
+# FROM names an image by reference, never by bare id: BuildKit (Docker's default builder
+# since 23.0) reads `FROM sha256:<id>` as docker.io/library/sha256:<id> and fails, while
+# the classic builder (the Docker SDK's) accepts it. A checked image is pinned instead by a
+# local tag named after its id, which both builders resolve in the daemon's own store.
+PIN_REPOSITORY = "sm12x-bundle-pin"
+_IMAGE_ID = re.compile(r"sha256:([0-9a-f]{64})")
+
+
+def from_reference(image: str) -> str:
+    """What FROM says for ``image``: an id becomes its pin tag; a reference stays as it is."""
+    m = _IMAGE_ID.fullmatch(image)
+    return f"{PIN_REPOSITORY}:{m.group(1)}" if m else image
+
+
+def pin_locally(engine: Any, image: str) -> str:
+    """Make :func:`from_reference`'s tag exist in the daemon (for an id); return the reference."""
+    ref = from_reference(image)
+    if ref != image:
+        engine.tag(image, PIN_REPOSITORY, ref.split(":", 1)[1])
+    return ref
 
 
 def template(name: str) -> str:
@@ -40,9 +62,10 @@ def fill(text: str, values: Mapping[str, str]) -> str:
     return re.sub(r"@([A-Z_]+)@", lambda m: values[m.group(1)], text)
 
 
-def write_context(files: ContextFiles, dest: Path, epoch: int) -> Path:
-    """Write a context atomically, every mtime set to ``epoch`` (COPY keeps mtimes)."""
-    with replace_dir(dest) as staging:
+def write_context(files: ContextFiles, dest: Path, epoch: int, force: bool = False) -> Path:
+    """Write a context atomically, every mtime set to ``epoch`` (COPY keeps mtimes); a
+    folder this tool did not write is refused unless ``force``."""
+    with replace_dir(dest, force, "build context folder") as staging:
         for rel, (data, mode) in files.items():
             if data is None:
                 raise VerifyError(f"{rel} has no content yet: the builder has not made it")

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import native
+from .. import arguments, fsutil, native
 from ..config import ImageConfig
 from ..context import Context
 from ..engine import OFFICIAL_VLLM_ROOT, Engine, docker_engine, probe_vllm
@@ -37,7 +37,7 @@ from ..series.apply import FileText
 from ..series.patch import Series
 from ..source.pin import SourceTree
 from . import native_build
-from .dockerfile import ContextFiles, fill, template, write_context
+from .dockerfile import PIN_REPOSITORY, ContextFiles, fill, from_reference, pin_locally, template, write_context
 from .manifest import (
     VERIFY_SCRIPT,
     InstalledFile,
@@ -68,24 +68,45 @@ class BaseImage:
     """What the base image is and holds, as far as the bundle cares."""
 
     name: str  # as configured: the tag an operator knows
-    ref: str  # what FROM uses: the id of the image that was checked
-    digest: str  # for org.opencontainers.image.base.digest
+    ref: str  # the id of the image that was checked (FROM names it by its pin tag, dockerfile.py)
+    digest: str | None  # its manifest digest, for org.opencontainers.image.base.digest (None: omitted)
     root: str  # the vLLM package folder inside it
     versions: dict[str, str | None]
     import_error: str | None  # None: `import vllm` works there
     pre_images: dict[str, bytes | None]  # vllm/... path -> the base's bytes (None: absent)
     labels: dict[str, str] = field(default_factory=dict)
     bytecode: dict[str, list[str]] | None = None  # vllm/... path -> its .pyc; None: not asked
+    digest_note: str | None = None  # why base.digest is omitted, when it is
+
+
+def _repository(ref: str) -> str:
+    """``reg:5000/vllm`` of ``reg:5000/vllm:v1`` or ``reg:5000/vllm@sha256:...``."""
+    name = ref.split("@", 1)[0]
+    return name.rsplit(":", 1)[0] if ":" in name.rsplit("/", 1)[-1] else name
 
 
 def _reference(cfg: ImageConfig) -> str:
     """The base as the daemon should find it: by digest when the config pins one."""
-    if not cfg.base_digest:
-        return cfg.base
-    name = cfg.base.split("@", 1)[0]
-    if ":" in name.rsplit("/", 1)[-1]:
-        name = name.rsplit(":", 1)[0]
-    return f"{name}@{cfg.base_digest}"
+    return f"{_repository(cfg.base)}@{cfg.base_digest}" if cfg.base_digest else cfg.base
+
+
+def manifest_digest(cfg: ImageConfig, repo_digests: list[str]) -> tuple[str | None, str | None]:
+    """The base's manifest digest (what base.digest means, not the local image id), or why there is none.
+
+    The configured digest when there is one (the daemon found the base by it); else the
+    image's repository digest (RepoDigests), the base's own repository's first.
+    """
+    if cfg.base_digest:
+        return cfg.base_digest, None
+    own = [d for d in repo_digests if d.split("@", 1)[0] == _repository(cfg.base)]
+    chosen = (own or sorted(repo_digests))[:1]
+    if chosen and "@" in chosen[0]:
+        return chosen[0].split("@", 1)[1], None
+    return None, (
+        f"base image {cfg.base} has no repository digest (it was built or loaded here, never pulled from "
+        "or pushed to a registry): org.opencontainers.image.base.digest is omitted; set image.base_digest "
+        "to pin one"
+    )
 
 
 def inspect_base(engine: Engine, cfg: ImageConfig, paths: list[str]) -> BaseImage:
@@ -93,10 +114,12 @@ def inspect_base(engine: Engine, cfg: ImageConfig, paths: list[str]) -> BaseImag
     ref = _reference(cfg)
     image_id = engine.image_id(ref)
     probe = probe_vllm(engine, image_id, cfg.root, paths)
+    digest, note = manifest_digest(cfg, engine.repo_digests(image_id))
     return BaseImage(
         name=cfg.base,
         ref=image_id,
-        digest=cfg.base_digest or image_id,
+        digest=digest,
+        digest_note=note,
         root=probe.root,
         versions=probe.versions,
         import_error=probe.import_error,
@@ -112,7 +135,8 @@ def pinned_base(cfg: ImageConfig, source: SourceTree, paths: list[str]) -> BaseI
     return BaseImage(
         name=cfg.base,
         ref=_reference(cfg),
-        digest=cfg.base_digest or "(unresolved: a dry run asks no daemon)",
+        digest=cfg.base_digest,
+        digest_note=None if cfg.base_digest else "a dry run asks no daemon for the base's repository digest",
         root=root,
         versions={"vllm": source.version, "torch": None, "triton": None, "flashinfer": None, "deep_gemm": None},
         import_error="not asked (dry run)",
@@ -196,7 +220,7 @@ def bundle_labels(
         OCI + "version": f"{pin['version']}+sm12x.{series.sha256[:12]}",
         OCI + "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
         OCI + "base.name": base.name,
-        OCI + "base.digest": base.digest,
+        **({OCI + "base.digest": base.digest} if base.digest else {}),
         OCI + "title": "sm12x-bundle",
         OCI + "description": f"vLLM {pin['version']} with the sm12x-bundle series ({', '.join(series.ids)})",
         PROJECT_LABEL: json.dumps(project, sort_keys=True, separators=(",", ":")),
@@ -276,7 +300,7 @@ def bundle_dockerfile(plan: BundlePlan) -> str:
     return fill(
         template("Dockerfile.bundle"),
         {
-            "BASE": plan.base.ref,
+            "BASE": from_reference(plan.base.ref),
             "BASE_NAME": plan.base.name,
             "DOC_DIR": DOC_DIR,
             "DROP_STALE_BYTECODE": _drop_stale_bytecode(plan),
@@ -349,16 +373,29 @@ def plan_from_base(ctx: Context, cfg: ImageConfig, engine: Engine | None) -> Bun
     return plan_bundle(cfg, ctx.series, source, changes, base)
 
 
-def build_bundle(ctx: Context, cfg: ImageConfig, engine: Engine, out: Path, push: bool = False) -> BundleResult:
+def check_output(out: Path, force: bool = False) -> None:
+    """Refuse, before anything is read or built, build context folders this tool did not write."""
+    fsutil.refuse_protected(out, "image build context folder")
+    for sub in ("builder", "bundle"):
+        fsutil.check_replaceable(out / sub, force, "image build context folder")
+
+
+def build_bundle(
+    ctx: Context, cfg: ImageConfig, engine: Engine, out: Path, push: bool = False, force: bool = False
+) -> BundleResult:
     """Check the base, build the extension, build the bundle, verify it, push it if asked."""
+    check_output(out, force)
     progress = ctx.progress
     plan = plan_from_base(ctx, cfg, engine)
     if plan.native is not None:
         label = f"base image {plan.base.name}"
-        art = native_build.build_native(plan.native, engine, plan.base.versions, label, out / "builder", progress)
+        art = native_build.build_native(
+            plan.native, engine, plan.base.versions, label, out / "builder", progress, force=force
+        )
         plan = plan.with_artifact(art.artifact, art.data, art.record)
-    write_context(bundle_context(plan), out / "bundle", plan.created)
-    progress.say(f"building {plan.tag} on {plan.base.name} ({plan.base.ref[:19]})")
+    write_context(bundle_context(plan), out / "bundle", plan.created, force)
+    pinned = pin_locally(engine, plan.base.ref)
+    progress.say(f"building {plan.tag} on {plan.base.name} (as {pinned})")
     image_id = engine.build(out / "bundle", "Dockerfile", plan.tag, {}, progress)
     checked, compiled, imported = verify_bundle(engine, plan, plan.tag)
     if push:
@@ -408,8 +445,11 @@ def _dry_run(ctx: Context, cfg: ImageConfig, out: Path) -> int:
     print(f"== build context {out / 'bundle'}\n{listing(files)}")
     print(
         f"\n(dry run: no daemon asked; the base's vLLM root is taken as {plan.base.root} and its "
-        "files as the pinned tree's; a build reads both from the image and pins it by id)"
+        "files as the pinned tree's; a build reads both from the image and names it in FROM by a local "
+        f"tag made from its id, {PIN_REPOSITORY}:<id>)"
     )
+    if plan.base.digest_note:
+        print(f"base.digest label omitted: {plan.base.digest_note}")
     return 0
 
 
@@ -418,7 +458,7 @@ def cmd_image(ctx: Context, args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path(ctx.config.output.dir) / "image"
     if args.dry_run:
         return _dry_run(ctx, cfg, out)
-    result = build_bundle(ctx, cfg, docker_engine(), out, push=args.push or cfg.push)
+    result = build_bundle(ctx, cfg, docker_engine(), out, push=args.push or cfg.push, force=args.force)
     imports = (
         f"imported {len(result.imported)}"
         if result.plan.base.import_error is None
@@ -429,22 +469,31 @@ def cmd_image(ctx: Context, args: argparse.Namespace) -> int:
         f"{result.checked} files match the manifest, {result.compiled} modules compile, {imports}"
         + (f"; pushed {result.tag}" if args.push or cfg.push else "")
     )
+    if result.plan.base.digest_note:
+        print(f"note: {result.plan.base.digest_note}")
     print(f"build contexts in {out}")
     return 0
 
 
 def _image_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base", metavar="IMAGE", help="base vLLM image (default: image.base in the config)")
-    p.add_argument("--base-digest", metavar="SHA256", help="registry digest the base must have")
-    p.add_argument("--root", metavar="PATH", help="vLLM install root inside the base (default: ask its python3)")
-    p.add_argument("--tag", metavar="TAG", help="tag of the bundle image (default: image.tag)")
-    p.add_argument("--revision", metavar="REV", help="org.opencontainers.image.revision (default: the series sha256)")
-    p.add_argument("--builder-base", metavar="IMAGE", help="image the extension is built in (default: the base)")
-    p.add_argument("--builder-setup", metavar="SHELL", help="shell line run in the builder before compiling")
+    # Each override is checked in the same words as the image.* key it replaces.
+    p.add_argument("--base", type=arguments.image_ref, metavar="IMAGE", help="base vLLM image (default: image.base in the config)")
+    p.add_argument("--base-digest", type=arguments.digest, metavar="SHA256", help="registry digest the base must have (sha256:...)")
+    p.add_argument("--root", type=arguments.absolute_path, metavar="PATH",
+                   help="vLLM install root inside the base (default: ask its python3)")
+    p.add_argument("--tag", type=arguments.image_tag, metavar="TAG", help="tag of the bundle image (default: image.tag)")
+    p.add_argument("--revision", type=arguments.line, metavar="REV",
+                   help="org.opencontainers.image.revision (default: the series sha256)")
+    p.add_argument("--builder-base", type=arguments.image_ref, metavar="IMAGE",
+                   help="image the extension is built in (default: the base)")
+    p.add_argument("--builder-setup", type=arguments.line, metavar="SHELL", help="shell line run in the builder before compiling")
     p.add_argument("--out", metavar="DIR", help="where the build contexts go (default: <output.dir>/image)")
     p.add_argument("--push", action="store_true", help="push the tag after the check passes")
     p.add_argument("--dry-run", action="store_true", help="print the Dockerfiles and build contexts; ask no daemon")
+    fsutil.add_force_argument(p, "replace DIR/builder and DIR/bundle even if they hold files this tool did not write")
 
+
+EXIT_CODES = {"image": {4: None, 5: None, 6: None, 7: None, 8: None, 9: None, 11: None}}
 
 COMMANDS = {
     "image": (

@@ -4,10 +4,11 @@ The compiler line is always native.py's; only where it runs differs, and this mo
 decides (:func:`plan_native`):
 
 * **in a builder container** (docker/Dockerfile.builder ``FROM`` the target or base image,
-  by id): its own Python headers, CUDA headers and toolchain, linking the toolkit's driver
-  stub. This is the mechanism whenever a Docker daemon and a real image are involved: the
-  overlay of an image target and the bundle image alike. The builder image is tagged by
-  its context's digest, so the same sources on the same image build once.
+  by the local tag named after its id, dockerfile.py): its own Python headers, CUDA
+  headers and toolchain, linking the toolkit's driver stub. This is the mechanism whenever
+  a Docker daemon and a real image are involved: the overlay of an image target and the
+  bundle image alike. The builder image is tagged by its context's digest, so the same
+  sources on the same image build once.
 * **on the host**, only for a target made from the pinned tree without an image (the
   embedded default on a fresh machine with no daemon): the host's compiler and CUDA
   headers, linking a generated stand-in for libcuda.so.1 (no driver, and toolkits do not
@@ -36,7 +37,7 @@ from ..progress import Progress
 from ..series.apply import VirtualTree
 from ..series.patch import Series
 from ..source.pin import SourceTree
-from .dockerfile import ContextFiles, context_digest, fill, template, write_context
+from .dockerfile import ContextFiles, context_digest, fill, from_reference, pin_locally, template, write_context
 from .manifest import NativeBuild, apply_subseries
 
 # Where Dockerfile.builder leaves the extension (and what readelf and nm say of it).
@@ -121,12 +122,14 @@ def build_native(
     label: str,
     work: Path,
     progress: Progress,
+    force: bool = False,
 ) -> NativeArtifact:
-    """Build ``plan`` where it says, check the result, and say how it was built."""
+    """Build ``plan`` where it says, check the result, and say how it was built. ``work``
+    is replaced whole (refused if this tool did not write it, unless ``force``)."""
     if plan.builder is not None:
         if engine is None:
             raise ConfigError(f"{label}: building {plan.artifact} in the image needs a Docker daemon")
-        data, record = build_in_builder(engine, plan.builder, work, progress)
+        data, record = build_in_builder(engine, plan.builder, work, progress, force)
         hint = "set image.builder_base (and image.cuda_home) to a builder with a matching CUDA toolkit"
     else:
         data, record = build_on_host(plan.sources, work)
@@ -143,7 +146,7 @@ def builder_dockerfile(builder: BuilderPlan) -> str:
     setup = f"RUN {builder.setup}" if builder.setup else "# (no builder setup: the base has a compiler)"
     return fill(
         template("Dockerfile.builder"),
-        {"BUILDER_BASE": builder.base, "BUILDER_SETUP": setup, "CUDA_HOME": shlex.quote(builder.cuda_home)},
+        {"BUILDER_BASE": from_reference(builder.base), "BUILDER_SETUP": setup, "CUDA_HOME": shlex.quote(builder.cuda_home)},
     )
 
 
@@ -157,12 +160,13 @@ def builder_context(builder: BuilderPlan) -> ContextFiles:
 
 
 def build_in_builder(
-    engine: Any, builder: BuilderPlan, workdir: Path, progress: Progress
+    engine: Any, builder: BuilderPlan, workdir: Path, progress: Progress, force: bool = False
 ) -> tuple[bytes, dict[str, Any]]:
     """Build the extension alone (Dockerfile.builder in ``builder.base``); return it and its record."""
     files = builder_context(builder)
     tag = f"sm12x-bundle-builder:{context_digest(files)[:16]}"
-    write_context(files, workdir, 0)
+    write_context(files, workdir, 0, force)
+    pin_locally(engine, builder.base)
     progress.say(f"building {native.ARTIFACT} alone in {builder.base} ({tag})")
     image_id = engine.build(workdir, "Dockerfile", tag, {}, progress)
     cuda_h = f"{builder.cuda_home.rstrip('/')}/include/cuda.h"

@@ -22,28 +22,33 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
+from .. import arguments
 from ..config import Config, JobConfig
 from ..context import Context
 from ..errors import ConfigError, VerifyError
-from ..fsutil import write_file
+from ..fsutil import add_force_argument, refuse_protected, write_files
 
 GROUP = "vllm"
 TASK = "vllm"
 PORT_LABEL = "http"
-DELIVERIES = ("host", "artifact")
-ALLOCATIONS = ("device", "shared")
-PROVIDERS = ("nomad", "consul")
 
 # Inside a docker task, the task's local/ folder is /local (NOMAD_TASK_DIR): writable
-# under readonly_rootfs and fresh for every allocation.
+# under readonly_rootfs.
 TASK_DIR = "/local"
 # FlashInfer JIT (and anything else keyed on $HOME) writes under /root/.cache. A relative
 # bind source resolves in the task directory; this one is the allocation's data folder,
 # which always exists and, being inside the allocation, needs no client setting.
 ROOT_CACHE = "/root/.cache"
 ROOT_CACHE_SOURCE = "../alloc/data"
+# alloc/data and local/ start empty in every new allocation, so every update would
+# rebuild the JIT, Triton and vLLM caches (minutes at each model load). A sticky disk
+# moves both folders to the replacement allocation on the same client; migrate copies
+# them from another client, best effort (Nomad's ephemeral_disk docs: meant for data that
+# can be recreated, such as caches). Chosen over a host volume: no client setting, and
+# each job keeps its own caches.
+STICKY_DISK = {"sticky": True, "migrate": True}
 OVERLAY_DEST = "local/overlay"
 
 # vllm serve flags this module writes from the config; extra_args must not repeat them.
@@ -58,8 +63,6 @@ MANAGED_FLAGS = (
     "--max-model-len",
 )
 
-_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
-_ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HASH16 = re.compile(r"[0-9a-f]{16}")
 _NS = 1_000_000_000
@@ -129,112 +132,9 @@ def _num(x: float) -> str:
 
 
 # --- validating a job -----------------------------------------------------------
-
-
-def validate_job(job: JobConfig, where: str) -> None:
-    """Refuse a job that Nomad or vLLM would refuse later, or that would run wrongly."""
-    for check in _CHECKS:
-        check(job, where)
-    for container, host in sorted(job.host_mounts.items()):
-        _absolute(container, f"{where}: host_mounts key")
-        _absolute(host, f"{where}: host_mounts[{container!r}]")
-
-
-def _check_name(job: JobConfig, where: str) -> None:
-    if not _NAME.fullmatch(job.name):
-        raise ConfigError(f"{where}: a job name is letters, digits and dashes (it names the service and the files)")
-
-
-def _check_choices(job: JobConfig, where: str) -> None:
-    for key, value, choices in (
-        ("overlay_delivery", job.overlay_delivery, DELIVERIES),
-        ("gpu_allocation", job.gpu_allocation, ALLOCATIONS),
-        ("service_provider", job.service_provider, PROVIDERS),
-    ):
-        if value not in choices:
-            raise ConfigError(f"{where}: unknown {key} {value!r}: choose one of {', '.join(choices)}")
-
-
-def _check_gpus(job: JobConfig, where: str) -> None:
-    if job.gpus < 1 or job.tensor_parallel_size != job.gpus:
-        raise ConfigError(
-            f"{where}: tensor_parallel_size {job.tensor_parallel_size} needs as many GPUs, "
-            f"but gpus is {job.gpus}: set both to the same number"
-        )
-    if job.gpu_allocation == "shared" and len(job.gpu_ids) != job.gpus:
-        raise ConfigError(f"{where}: gpu_allocation 'shared' needs gpu_ids listing the {job.gpus} GPUs it shares")
-    if job.gpu_allocation == "shared" and job.gpu_model is not None:
-        raise ConfigError(
-            f"{where}: gpu_model constrains ${{device.model}}, which only gpu_allocation 'device' has; "
-            "pin shared GPUs with node_constraints"
-        )
-    if job.gpu_allocation == "device" and job.gpu_ids:
-        raise ConfigError(f"{where}: gpu_ids apply to gpu_allocation 'shared'; the device plugin picks the GPUs")
-
-
-def _check_delivery(job: JobConfig, where: str) -> None:
-    if job.overlay_delivery == "host":
-        _absolute(job.overlay_host_dir, f"{where}: overlay_host_dir")
-        return
-    url = job.artifact_base_url
-    if not url:
-        raise ConfigError(f"{where}: overlay_delivery 'artifact' needs artifact_base_url (where overlays/ is served)")
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
-        raise ConfigError(f"{where}: artifact_base_url must be a plain http(s) URL, not {url!r}")
-
-
-def _check_timing(job: JobConfig, where: str) -> None:
-    if job.healthy_deadline_s <= job.load_time_s:
-        raise ConfigError(
-            f"{where}: healthy_deadline_s ({job.healthy_deadline_s}) must exceed load_time_s ({job.load_time_s}), "
-            "or every deployment fails while the model loads"
-        )
-    if job.progress_deadline_s <= job.healthy_deadline_s:
-        raise ConfigError(
-            f"{where}: progress_deadline_s ({job.progress_deadline_s}) must exceed healthy_deadline_s "
-            f"({job.healthy_deadline_s}) (Nomad refuses the update block otherwise)"
-        )
-    if not 0 <= job.min_healthy_time_s < job.healthy_deadline_s:
-        raise ConfigError(f"{where}: min_healthy_time_s must be at least 0 and less than healthy_deadline_s")
-
-
-def _check_sizes(job: JobConfig, where: str) -> None:
-    for key in ("kill_timeout_s", "cpu_mhz", "memory_mb", "shm_size_mb", "disk_mb"):
-        if getattr(job, key) <= 0:
-            raise ConfigError(f"{where}: {key} must be positive")
-    if not 0 < job.port < 65536:
-        raise ConfigError(f"{where}: port must be in 1-65535, not {job.port}")
-
-
-def _check_args(job: JobConfig, where: str) -> None:
-    if not job.entrypoint:
-        raise ConfigError(f"{where}: entrypoint must not be empty (it replaces the image's ENTRYPOINT)")
-    for arg in job.extra_args:
-        flag = arg.split("=", 1)[0]
-        if flag in MANAGED_FLAGS:
-            raise ConfigError(f"{where}: extra_args sets {flag}, which comes from the job's own keys; use those")
-
-
-def _check_env(job: JobConfig, where: str) -> None:
-    managed = _managed_env(job)
-    for key in sorted(job.env):
-        if not _ENV_KEY.fullmatch(key):
-            raise ConfigError(f"{where}: env key {key!r} is not a valid variable name")
-        if key in managed:
-            raise ConfigError(f"{where}: env {key} is set by sm12x-bundle ({managed[key]!r}); remove it from env")
-
-
-_CHECKS = (
-    _check_name,
-    _check_choices,
-    _check_gpus,
-    _check_delivery,
-    _check_timing,
-    _check_sizes,
-    _check_args,
-    _check_env,
-)
+#
+# Every job value is checked when the config is loaded (config.py), so --dry-run
+# refuses what a render would; only what needs the overlay manifest is checked here.
 
 
 def _absolute(path: str, what: str) -> None:
@@ -350,7 +250,6 @@ class JobSpec:
 def plan_job(config: Config, job: JobConfig, manifest: Mapping) -> JobSpec:
     """Resolve one job against its target and overlay manifest; raise before anything is written."""
     where = f"{config.origin}: job {job.name!r}"
-    validate_job(job, where)
     budget = check_budget(job, where)
     check_manifest(manifest, f"{where}: target {job.target!r}")
     image = config.target(job.target).image
@@ -367,7 +266,7 @@ def plan_job(config: Config, job: JobConfig, manifest: Mapping) -> JobSpec:
         job=job,
         image=image,
         args=vllm_args(job),
-        env=tuple(sorted({**job.env, **_managed_env(job)}.items())),
+        env=tuple(sorted({**job.env, **managed_env(job)}.items())),
         mounts=tuple(mounts),
         artifacts=tuple(artifacts),
         constraints=tuple(Constraint(a, "=", v) for a, v in sorted(job.node_constraints.items())),
@@ -395,11 +294,13 @@ def vllm_args(job: JobConfig) -> tuple[str, ...]:
     return tuple(args + list(job.extra_args))
 
 
-def _managed_env(job: JobConfig) -> dict[str, str]:
+def managed_env(job: JobConfig) -> dict[str, str]:
     env = {
-        # The stale-bytecode guard: Python reads and writes .pyc only under this
-        # per-allocation folder, so an overlaid .py never runs as the image's old .pyc
-        # (which a same-size, same-mtime overlay would otherwise match).
+        # The stale-bytecode guard: Python reads and writes .pyc only under this task
+        # folder, so an overlaid .py never runs as the image's old .pyc (which a same-size,
+        # same-mtime overlay would otherwise match). The sticky disk carries the folder to
+        # the next allocation; bytecode of an older overlay is refused there because each
+        # overlay version has its own mtime (overlay.MTIME_BASE).
         "PYTHONPYCACHEPREFIX": f"{TASK_DIR}/pycache",
         # readonly_rootfs: every cache and temporary file goes to the task directory.
         "TMPDIR": TASK_DIR,
@@ -459,6 +360,9 @@ def _notes(job: JobConfig, manifest: Mapping, budget: Budget) -> tuple[str, ...]
         f"Overlay {manifest['content_hash']} of target {job.target}: {n} file{'s' * (n != 1)}, "
         f"{job.overlay_delivery} delivery.",
         f"GPU memory budget: {budget.describe()} of {_num(budget.capacity_gib)} GiB.",
+        "Nomad deploys this job alone: nothing orders it against its rotation peer. Walk the rotation:",
+        f"  nomad job run this file, wait until 'nomad job status {job.name}' (or GET /v1/job/{job.name}/deployment)",
+        "  shows its latest deployment successful, POST /sleep to it, then the same for the next job.",
         "Client settings this job needs:",
         f'  client {{ max_kill_timeout = "{job.kill_timeout_s}s" }} or more (the default 30s cuts kill_timeout short)',
     ]
@@ -491,7 +395,7 @@ def _api_group(spec: JobSpec) -> dict:
         "Name": GROUP,
         "Count": 1,
         "Networks": [{"ReservedPorts": [{"Label": PORT_LABEL, "Value": job.port, "To": job.port}]}],
-        "EphemeralDisk": {"SizeMB": job.disk_mb},
+        "EphemeralDisk": {"SizeMB": job.disk_mb, "Sticky": STICKY_DISK["sticky"], "Migrate": STICKY_DISK["migrate"]},
         "Update": {
             "MaxParallel": 1,
             "Canary": 0,
@@ -608,8 +512,12 @@ def _hcl_group(spec: JobSpec) -> _Block:
     body += [_hcl_constraint(c) for c in spec.constraints]
     body += [
         _Block("network", body=[port]),
-        _Block("ephemeral_disk", body=[("size", job.disk_mb)]),
-        _Comment("One peer at a time, gated on /health; a failed update rolls back."),
+        _Comment("Caches in alloc/data and local/ survive an update, best effort: moved within a client, else copied."),
+        _Block("ephemeral_disk", body=[("size", job.disk_mb), *STICKY_DISK.items()]),
+        _Comment("This job's own update: Nomad replaces its one allocation and calls the deployment successful"),
+        _Comment("once /health has passed for min_healthy_time (max_parallel 1 is Nomad's default, written out)."),
+        _Comment("auto_revert goes back to the last version that deployed successfully: a first deployment has"),
+        _Comment("none. The rotation peer is another job: Nomad does not order the two."),
         _Block(
             "update",
             body=[
@@ -763,7 +671,6 @@ def _hcl_str(s: str) -> str:
 
 def render_jobs(config: Config, manifests: Mapping[str, Mapping]) -> dict[str, bytes]:
     """Every job of the config as {file name: bytes}. Pure; raises before anything is written."""
-    _check_peer_ports(config)
     files: dict[str, bytes] = {}
     for job in config.jobs:
         if job.target not in manifests:
@@ -777,18 +684,6 @@ def render_jobs(config: Config, manifests: Mapping[str, Mapping]) -> dict[str, b
     return dict(sorted(files.items()))
 
 
-def _check_peer_ports(config: Config) -> None:
-    """Peers pinned to the same node cannot share a static port."""
-    seen: dict[tuple, str] = {}
-    for job in (j for j in config.jobs if j.gpu_allocation == "shared"):
-        key = (job.port, tuple(sorted(job.node_constraints.items())))
-        if key in seen:
-            raise ConfigError(
-                f"{config.origin}: jobs {seen[key]!r} and {job.name!r} share a node and both use port {job.port}"
-            )
-        seen.setdefault(key, job.name)
-
-
 def _parsed_back(name: str, text: str) -> str:
     import hcl2  # python-hcl2; imported here so the CLI starts fast
 
@@ -799,9 +694,10 @@ def _parsed_back(name: str, text: str) -> str:
     return text
 
 
-def write_jobs(files: Mapping[str, bytes], out: Path) -> list[tuple[Path, bool]]:
-    """Write each rendered file atomically; return (path, changed) pairs."""
-    return [(out / name, write_file(out / name, data)) for name, data in files.items()]
+def write_jobs(files: Mapping[str, bytes], out: Path, force: bool = False) -> list[tuple[Path, bool]]:
+    """Write each rendered file atomically; return (path, changed) pairs. A file with
+    other bytes in a folder this tool did not write is refused unless ``force``."""
+    return write_files(out, files, force, "Nomad folder")
 
 
 def cmd_nomad(ctx: Context, args: argparse.Namespace) -> int:
@@ -809,12 +705,13 @@ def cmd_nomad(ctx: Context, args: argparse.Namespace) -> int:
     if not config.jobs:
         raise ConfigError(f"{config.origin}: no jobs to render: add a 'jobs:' list (example: the embedded default, shown by nomad/README.md)")
     files = render_jobs(config, find_manifests(config, args.manifest or ()))
-    out = Path(args.out) if args.out else Path(config.output.dir) / "nomad"
-    for path, changed in write_jobs(files, out):
+    out = refuse_protected(args.out, "Nomad folder") if args.out is not None else Path(config.output.dir) / "nomad"
+    for path, changed in write_jobs(files, out, args.force):
         print(f"{path}{'' if changed else ' (unchanged)'}")
     print(
         f"{len(config.jobs)} job(s): memory budget fits, HCL parsed back; "
-        "not submitted (no Nomad here: run 'nomad job validate' on a cluster)"
+        "not submitted (no Nomad here: run 'nomad job validate' on a cluster). Nomad deploys each job on "
+        "its own: run one, wait until 'nomad job status JOB' shows its deployment successful, then the next"
     )
     return 0
 
@@ -824,11 +721,14 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--manifest",
         action="append",
-        type=Path,
+        type=arguments.existing_file,
         metavar="FILE",
         help="an overlay manifest to use instead of <output.overlays>/<target>/current.json (repeatable)",
     )
+    add_force_argument(p, "overwrite files of the same name in DIR even if DIR is not marked as written by this tool")
 
+
+EXIT_CODES = {"nomad": {9: "the generated HCL does not parse back (a bug in sm12x-bundle)", 11: None}}
 
 COMMANDS = {
     "nomad": (

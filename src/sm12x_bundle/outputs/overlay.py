@@ -37,7 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config, TargetConfig
+from ..engine import ImageFile
 from ..errors import ApplyError, ConfigError, EngineError, VerifyError
+from .. import arguments, fsutil
 from ..fsutil import replace_dir, write_file
 from ..progress import Progress
 from ..series.apply import VirtualTree
@@ -87,15 +89,19 @@ class Applied:
 
 
 def patch_image_files(
-    series: Series, originals: dict[str, bytes | None], where: str, shown: Callable[[str], str] = str
+    series: Series, originals: dict[str, ImageFile | None], where: str, shown: Callable[[str], str] = str
 ) -> tuple[dict[str, Applied], list[str]]:
-    """Patch the image's own copies (tree path -> bytes, None: absent) surgically."""
+    """Patch the image's own copies (tree path -> bytes and mode, None: absent) surgically.
+
+    A patched file keeps the mode the image gives it (the tree reads it back from disk);
+    a file the series creates takes the mode its patch names."""
     with tempfile.TemporaryDirectory(prefix="sm12x-overlay-") as tmp:
-        for path, data in originals.items():
-            if data is not None:
+        for path, original in originals.items():
+            if original is not None:
                 dest = Path(tmp) / path
                 dest.parent.mkdir(parents=True, exist_ok=True)
-                dest.write_bytes(data)
+                dest.write_bytes(original.data)
+                dest.chmod(original.mode)
         tree = VirtualTree(Path(tmp))
         applied, landed = apply_subseries(series, tree, set(originals), where, shown)
         out = {}
@@ -117,7 +123,7 @@ class ImageSide:
     image_id: str | None  # None: the pinned tree
     root: str
     versions: dict[str, str | None]
-    read: Callable[[list[str]], dict[str, bytes | None]] = field(repr=False)
+    read: Callable[[list[str]], dict[str, ImageFile | None]] = field(repr=False)
     engine: Any = field(default=None, repr=False)  # what it was read through (None: the pinned tree)
 
     @property
@@ -143,10 +149,11 @@ def image_side(
     given = normal_root(target.root, f"target {target.name}") if target.root else None
     store = ImageCache(cache / image_id.replace(":", "-")) if cache else None
     facts = store.facts(given) if store else None
-    known: dict[str, bytes | None] = {}  # tree path -> bytes, read by the probe
+    known: dict[str, ImageFile | None] = {}  # tree path -> what the probe read
     if facts is None:
         probe = probe_vllm(engine, target.image, given, list(paths))
-        facts, known = {"root": probe.root, "versions": probe.versions}, dict(probe.files)
+        facts = {"root": probe.root, "versions": probe.versions}
+        known = {p: None if b is None else ImageFile(b, probe.modes[p]) for p, b in probe.files.items()}
         if store:
             found = normal_root(probe.root, f"image {target.image}")
             store.save_files({container_path(found, p): data for p, data in known.items()})
@@ -154,7 +161,7 @@ def image_side(
     root = normal_root(facts["root"], f"image {target.image}")
     versions = dict.fromkeys(VERSION_KEYS) | facts["versions"]
 
-    def read(wanted: list[str]) -> dict[str, bytes | None]:
+    def read(wanted: list[str]) -> dict[str, ImageFile | None]:
         rest = [container_path(root, p) for p in wanted if p not in known]
         got = _read_image(engine, target.image, rest, store)
         return {p: known[p] if p in known else got[container_path(root, p)] for p in wanted}
@@ -162,10 +169,10 @@ def image_side(
     return ImageSide(target.image, image_id, root, versions, read, engine)
 
 
-def _read_image(engine: Any, ref: str, paths: list[str], store: ImageCache | None) -> dict[str, bytes | None]:
+def _read_image(engine: Any, ref: str, paths: list[str], store: ImageCache | None) -> dict[str, ImageFile | None]:
     if not paths:
         return {}
-    return store.read(engine, ref, paths) if store else engine.read_files(ref, paths)
+    return store.read(engine, ref, paths) if store else engine.read_entries(ref, paths)
 
 
 def wanted_paths(plan: SeriesPlan) -> list[str]:
@@ -175,7 +182,10 @@ def wanted_paths(plan: SeriesPlan) -> list[str]:
 
 @dataclass(frozen=True)
 class ImageCache:
-    """What was read out of one image (by id): the probe's answers and file contents."""
+    """What was read out of one image (by id): the probe's answers, file contents and modes.
+
+    A kept file carries the image's mode on disk. (Files kept before modes were kept,
+    under ``files/``, all read 0644, so this cache keeps its files under ``entries/``.)"""
 
     folder: Path
 
@@ -191,21 +201,24 @@ class ImageCache:
     def save_facts(self, root: str | None, facts: dict[str, Any]) -> None:
         write_file(self._facts_file(root), json.dumps(facts, sort_keys=True).encode())
 
-    def save_files(self, files: dict[str, bytes | None]) -> None:
-        for path, data in files.items():
-            write_file(self.folder / ("files" if data is not None else "absent") / path.lstrip("/"), data or b"")
+    def save_files(self, files: dict[str, ImageFile | None]) -> None:
+        for path, f in files.items():
+            if f is None:
+                write_file(self.folder / "absent" / path.lstrip("/"), b"")
+            else:
+                write_file(self.folder / "entries" / path.lstrip("/"), f.data, f.mode)
 
-    def read(self, engine: Any, ref: str, paths: list[str]) -> dict[str, bytes | None]:
-        known: dict[str, bytes | None] = {}
+    def read(self, engine: Any, ref: str, paths: list[str]) -> dict[str, ImageFile | None]:
+        known: dict[str, ImageFile | None] = {}
         for path in paths:
-            blob, absent = self.folder / "files" / path.lstrip("/"), self.folder / "absent" / path.lstrip("/")
+            blob, absent = self.folder / "entries" / path.lstrip("/"), self.folder / "absent" / path.lstrip("/")
             if blob.is_file():
-                known[path] = blob.read_bytes()
+                known[path] = ImageFile(blob.read_bytes(), blob.stat().st_mode & 0o777)
             elif absent.is_file():
                 known[path] = None
         missing = [p for p in paths if p not in known]
         if missing:
-            got = engine.read_files(ref, missing)
+            got = engine.read_entries(ref, missing)
             self.save_files(got)
             known.update(got)
         return known
@@ -217,8 +230,8 @@ def pinned_side(target: TargetConfig, source: SourceTree) -> ImageSide:
         raise ConfigError(f"target {target.name} is pinned but has no root: without Docker it must say where vLLM is")
     root = normal_root(target.root, f"target {target.name}")
 
-    def read(paths: list[str]) -> dict[str, bytes | None]:
-        return {p: _read_or_none(source.root / p) for p in paths}
+    def read(paths: list[str]) -> dict[str, ImageFile | None]:
+        return {p: _entry_or_none(source.root / p) for p in paths}
 
     versions = dict.fromkeys(VERSION_KEYS) | {"vllm": source.version}
     return ImageSide(target.image, None, root, versions, read)
@@ -226,6 +239,12 @@ def pinned_side(target: TargetConfig, source: SourceTree) -> ImageSide:
 
 def _read_or_none(path: Path) -> bytes | None:
     return path.read_bytes() if path.is_file() and not path.is_symlink() else None
+
+
+def _entry_or_none(path: Path) -> ImageFile | None:
+    """A file of the pinned tree with its mode on disk (the sdist's, kept by extraction)."""
+    data = _read_or_none(path)
+    return None if data is None else ImageFile(data, path.stat().st_mode & 0o777)
 
 
 # --- one overlay ---------------------------------------------------------------------
@@ -304,14 +323,14 @@ def make_overlay(
 
 
 def _patched_files(
-    series: Series, plan: SeriesPlan, side: ImageSide, originals: dict[str, bytes | None], progress: Progress
+    series: Series, plan: SeriesPlan, side: ImageSide, originals: dict[str, ImageFile | None], progress: Progress
 ) -> list[InstalledFile]:
     mine = {p: originals[p] for p in plan.files}
     patched, landed = patch_image_files(series, mine, side.label, side.shown)
     for patch_id in landed:
         progress.say(f"overlay {side.ref}: patch {patch_id} is already in the image's files: not applied")
     return [
-        InstalledFile(p, container_path(side.root, p), a.data, a.mode, a.patches, sha256_of(mine[p]))
+        InstalledFile(p, container_path(side.root, p), a.data, a.mode, a.patches, sha256_of(_data(mine[p])))
         for p, a in sorted(patched.items())
     ]
 
@@ -320,7 +339,7 @@ def _native_files(
     series: Series,
     plan: SeriesPlan,
     side: ImageSide,
-    originals: dict[str, bytes | None],
+    originals: dict[str, ImageFile | None],
     sources: SourceFor,
     progress: Progress,
     builder_setup: str | None,
@@ -341,10 +360,16 @@ def _native_files(
                 continue
             art = native_build.build_native(todo, side.engine, side.versions, side.label, Path(tmp) / str(n), progress)
             path = container_path(side.root, build.artifact)
-            pre = sha256_of(originals[build.artifact])
-            files.append(InstalledFile(build.artifact, path, art.data, 0o755, art.patches, pre))
+            original = originals[build.artifact]
+            pre = sha256_of(_data(original))
+            mode = original.mode if original else 0o755  # the image's own, else what a built .so has
+            files.append(InstalledFile(build.artifact, path, art.data, mode, art.patches, pre))
             records[path] = art.record
     return files, records
+
+
+def _data(f: ImageFile | None) -> bytes | None:
+    return None if f is None else f.data
 
 
 def _source_version(side: ImageSide) -> str:
@@ -378,14 +403,25 @@ def stage(overlay: Overlay, folder: Path) -> None:
     manifest.write_bytes(overlay.manifest_bytes())
     os.chmod(manifest, 0o644)
     os.utime(manifest, (MTIME_BASE, MTIME_BASE))
+    # Every folder 0755, as vLLM's own are in an image; the content folder itself
+    # starts as a private (0700) staging folder and must be readable by the container's user.
+    for sub in [folder, *(p for p in folder.rglob("*") if p.is_dir())]:
+        os.chmod(sub, 0o755)
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
 
 
 def is_written(folder: Path, overlay: Overlay) -> bool:
-    """The folder already holds exactly this overlay (so it is left alone, inodes and all)."""
+    """The folder already holds exactly this overlay, modes included (so it is left alone,
+    inodes and all; a folder an older version left 0700 is written again)."""
     try:
-        if (folder / "manifest.json").read_bytes() != overlay.manifest_bytes():
+        if (folder / "manifest.json").read_bytes() != overlay.manifest_bytes() or _mode(folder) != 0o755:
             return False
-        return all((folder / f.source).read_bytes() == f.data for f in overlay.files)
+        return all(
+            (folder / f.source).read_bytes() == f.data and _mode(folder / f.source) == f.mode for f in overlay.files
+        )
     except OSError:
         return False
 
@@ -393,23 +429,76 @@ def is_written(folder: Path, overlay: Overlay) -> bool:
 Verifier = Callable[[Overlay, Path], None]
 
 
-def write_overlays(overlays: Sequence[Overlay], out: Path, verify: Verifier | None = None) -> list[Path]:
+def check_target_folder(folder: Path, force: bool = False) -> None:
+    """``<out>/<target>`` must be absent, empty or ours (marked, or an overlay folder
+    written before folders were marked), unless ``force``: it is written into."""
+    if not force and folder.is_dir() and not fsutil.is_ours(folder) and _previous_overlays(folder):
+        return
+    fsutil.check_replaceable(folder, force, "overlay folder")
+
+
+def _previous_overlays(folder: Path) -> bool:
+    """Only current.json and <content hash>/manifest.json folders: what this tool wrote
+    before it marked its folders."""
+    entries = list(folder.iterdir()) if folder.is_dir() and not folder.is_symlink() else []
+    return bool(entries) and all(
+        p.name == "current.json" and p.is_file()
+        or re.fullmatch(r"[0-9a-f]{16}", p.name) is not None and (p / "manifest.json").is_file()
+        for p in entries
+    )
+
+
+def _holds_files(folder: Path) -> bool:
+    return folder.is_dir() and any(folder.iterdir())
+
+
+def check_output(overlays: Sequence[Overlay], out: Path, force: bool = False) -> None:
+    """Refuse, before anything is written, any folder the overlays would replace or write into."""
+    fsutil.refuse_protected(out, "overlays folder")
+    fsutil.check_parent(out / "x", "overlays folder")
+    for overlay in overlays:
+        check_target_folder(out / overlay.target, force)
+        if not is_written(overlay_folder(out, overlay), overlay):
+            fsutil.check_replaceable(overlay_folder(out, overlay), force, "overlay folder")
+
+
+def overlays_root(ctx: Any, out: Path | None) -> Path:
+    """``--out``, else output.overlays; '' and the like are refused, never taken as '.'."""
+    return fsutil.refuse_protected(ctx.config.output.overlays if out is None else out, "overlays folder")
+
+
+def check_targets_output(out: Path, targets: Sequence[TargetConfig], force: bool = False) -> None:
+    """What can be checked before the overlays are made: the root and each target's folder."""
+    fsutil.check_parent(out / "x", "overlays folder")
+    for t in targets:
+        check_target_folder(out / t.name, force)
+
+
+def write_overlays(
+    overlays: Sequence[Overlay], out: Path, verify: Verifier | None = None, force: bool = False
+) -> list[Path]:
     """Stage every overlay, verify each if asked, then move them all into place.
 
     On any error nothing is written: staging folders are removed and current.json files
-    keep pointing at what they pointed at.
+    keep pointing at what they pointed at. Folders this tool did not write are refused
+    (OutputError) unless ``force``.
     """
+    check_output(overlays, out, force)
+    # Marked once written: absent, empty or written before folders were marked.
+    claimed = [t for t in {out / o.target for o in overlays} if _previous_overlays(t) or not _holds_files(t)]
     folders = []
     with contextlib.ExitStack() as stack:
         for overlay in overlays:
             dest = overlay_folder(out, overlay)
             folder = dest
             if not is_written(dest, overlay):
-                folder = stack.enter_context(replace_dir(dest))
+                folder = stack.enter_context(replace_dir(dest, force, "overlay folder"))
                 stage(overlay, folder)
             if verify is not None:
                 verify(overlay, folder)
             folders.append(dest)
+    for target in claimed:
+        fsutil.mark(target)
     for overlay in overlays:
         current = out / overlay.target / "current.json"
         write_file(current, overlay.manifest_bytes())
@@ -586,12 +675,28 @@ def _sources(ctx: Any) -> SourceFor:
 
 
 def add_arguments(p: Any) -> None:
-    p.add_argument("--target", action="append", metavar="NAME", help="a config target (repeatable; default: all)")
-    p.add_argument("--image", metavar="REF", help="an ad hoc target: this image, not in the config")
-    p.add_argument("--root", metavar="PATH", help="with --image: vLLM's package folder in it (default: ask the image)")
+    p.add_argument("--target", action="append", type=arguments.folder_name, metavar="NAME",
+                   help="a config target (repeatable; default: all)")
+    p.add_argument("--image", type=arguments.image_ref, metavar="REF", help="an ad hoc target: this image, not in the config")
+    p.add_argument("--root", type=arguments.absolute_path, metavar="PATH",
+                   help="with --image: vLLM's package folder in it (default: ask the image)")
     p.add_argument("--verify", action="store_true", help="check each overlay inside its image before keeping it")
-    p.add_argument("--manifest", type=Path, metavar="FILE", help="with --verify: check this existing overlay instead")
+    p.add_argument("--manifest", type=arguments.existing_file, metavar="FILE",
+                   help="with --verify: check this existing overlay instead")
     p.add_argument("--out", type=Path, metavar="DIR", help="where overlays go (default: output.overlays, 'overlays')")
+    fsutil.add_force_argument(p, "write DIR/<target> even if it holds files this tool did not write")
+    p.set_defaults(check_args=_check_args)
+
+
+def _check_args(args: Any) -> str | None:
+    """Options that depend on each other, refused while parsing (exit 2)."""
+    if args.root and not args.image:
+        return "--root needs --image (a config target says its root in the config)"
+    if args.image and args.target:
+        return "give either --target NAME or --image REF, not both"
+    if args.manifest is not None and not args.verify:
+        return "--manifest is for --verify: it checks an existing overlay"
+    return None
 
 
 def make_overlays(ctx: Any, targets: Sequence[TargetConfig], engine: Any | None, need_image: bool) -> list[Overlay]:
@@ -619,6 +724,7 @@ def make_and_write(
     *,
     verify: bool | None = None,
     out: Path | None = None,
+    force: bool = False,
 ) -> list[tuple[Overlay, Path]]:
     """Make every target's overlay and write them under ``out`` (default: output.overlays,
     relative to the working directory); what ``overlay`` and ``build`` both run.
@@ -628,16 +734,18 @@ def make_and_write(
     True: a daemon and every target's image are required. A target that is not pinned
     needs a daemon either way (EngineError). Nothing is written when anything fails.
     """
-    written, reports = _make_and_write(ctx, targets, verify, out)
+    written, reports = _make_and_write(ctx, targets, verify, out, force)
     for report in reports:
         _say_verified(ctx.progress, report)
     return written
 
 
 def _make_and_write(
-    ctx: Any, targets: Sequence[TargetConfig] | None, verify: bool | None, out: Path | None
+    ctx: Any, targets: Sequence[TargetConfig] | None, verify: bool | None, out: Path | None, force: bool = False
 ) -> tuple[list[tuple[Overlay, Path]], list[Verified]]:
     targets = checked_targets(ctx.config, list(ctx.config.targets) if targets is None else targets)
+    out = overlays_root(ctx, out)
+    check_targets_output(out, targets, force)  # before any image is read or anything built
     engine = connect(bool(verify) or any(not t.pinned for t in targets), ctx.progress)
     overlays = make_overlays(ctx, targets, engine, bool(verify))
     reports: list[Verified] = []
@@ -647,7 +755,7 @@ def _make_and_write(
             reports.append(verify_overlay(engine, folder))
 
     checking = verify or (verify is None and engine is not None)
-    folders = write_overlays(overlays, Path(out or ctx.config.output.overlays), check if checking else None)
+    folders = write_overlays(overlays, out, check if checking else None, force)
     return list(zip(overlays, folders)), reports
 
 
@@ -655,7 +763,7 @@ def run(ctx: Any, args: Any) -> int:
     if args.manifest is not None:
         return _verify_existing(ctx, args)
     targets = select_targets(ctx.config, args.target, args.image, args.root)
-    written, reports = _make_and_write(ctx, targets, args.verify, args.out)
+    written, reports = _make_and_write(ctx, targets, args.verify, args.out, args.force)
     for overlay, folder in written:
         origin = f"image {overlay.image}" if overlay.image_id else f"the pinned vLLM {ctx.pin.version} tree"
         print(f"{overlay.target}: {folder} ({len(overlay.files)} files, from {origin})")
@@ -684,6 +792,8 @@ def _print_verified(progress: Progress, report: Verified) -> None:
     _say_verified(progress, report)
     print(f"verified in {report.image}: {len(report.ok)} checks passed, {len(report.notes)} notes")
 
+
+EXIT_CODES = {"overlay": {4: None, 5: None, 6: None, 7: None, 8: None, 9: None, 11: None}}
 
 COMMANDS = {
     "overlay": (

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..checks.check import Outcome, VersionReport, check_tree
 from ..errors import ApplyError
-from ..fsutil import replace_dir
+from ..fsutil import check_replaceable, replace_dir
 from ..series.apply import FileText
 from ..series.patch import Series
 from ..source.pin import SourceTree
@@ -36,10 +36,13 @@ def _mtime(path: Path) -> float:
     return float(epoch) if epoch else path.stat().st_mtime + 1
 
 
-def write_tree(series: Series, source: SourceTree, out: Path, fuzz: int = 0) -> VersionReport:
-    """Write the patched tree to ``out``: all of it, or (on any failure) nothing."""
+def write_tree(series: Series, source: SourceTree, out: Path, fuzz: int = 0, force: bool = False) -> VersionReport:
+    """Write the patched tree to ``out``: all of it, or (on any failure) nothing.
+
+    ``out`` must be absent, empty or a previous output of this tool unless ``force``."""
+    check_replaceable(out, force)
     report, changes = patched_files(series, source, fuzz)
-    with replace_dir(out) as staging:
+    with replace_dir(out, force) as staging:
         shutil.copytree(source.root, staging, symlinks=True, dirs_exist_ok=True)
         for rel, text in sorted(changes.items()):
             dest = staging / rel

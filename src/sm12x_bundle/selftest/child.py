@@ -55,6 +55,7 @@ def run(scenario: str, tree: Path | None, extension: Path | None, params: dict) 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
+    scenarios.RESULT_PATH = str(args.out)
     try:
         doc = run(args.scenario, args.tree, args.extension, json.loads(args.params))
     except Exception as exc:

@@ -27,6 +27,7 @@ class Scenario:
     title: str
     bug: bool  # proves a fix: must fail on the pristine tree, pass on the patched one
     what: str
+    guard: bool = False  # a regression guard: runs on pristine too, which may pass it
 
 
 SCENARIOS: tuple[Scenario, ...] = (
@@ -40,6 +41,21 @@ SCENARIOS: tuple[Scenario, ...] = (
              "many sleep/wake cycles with work in flight, offloaded and discarded tags, varied sizes"),
     Scenario(5, "speed", "speed", False,
              "sleep and wake throughput against the pinned-copy ceiling; the first sleep's cost"),
+    Scenario(6, "double-wake", "double wake", False,
+             "wake_up on an allocator already awake (and a map of a mapped allocation), then sleep and wake",
+             guard=True),
+    Scenario(7, "failing-sleep", "sleep fails part-way", True,
+             "sleep() fails at the k-th pinned backup (host memory runs out); the tensors are used; sleep retried"),
+    Scenario(8, "moe-churn", "MoE weight-load churn", True,
+             "varied 1-3 GiB transient buffers in the weights pool under a memory budget, max_split_size_mb:20"),
+    Scenario(9, "foreign-process", "another process", True,
+             "asleep; another process takes the memory; wake_up fails; it exits; wake_up retried"),
+    Scenario(10, "fault-stress", "fault stress", False,
+             "sleep/wake cycles with failures injected at random points (host allocation, map, double wake)"),
+    Scenario(11, "first-sleep", "first sleep", True,
+             "the first sleep of a process against the D2H ceiling; host RAM its backups take (speed.py)"),
+    Scenario(12, "rotation", "rotation", True,
+             "two engines of 24 GiB on one GPU swapped in turn: the first swap against the steady ones"),
 )
 BY_NAME = {s.name: s for s in SCENARIOS}
 
@@ -79,13 +95,14 @@ class Target:
 def runs(targets: Sequence[Target], scenarios: Sequence[Scenario]) -> list[tuple[Target, Scenario]]:
     """Which scenario runs on which target, in order.
 
-    Comparing, the pristine tree runs only the scenarios that prove a fix (its stress
-    and speed figures prove nothing about the patches); every other target runs all.
+    Comparing, the pristine tree runs only the scenarios that prove a fix and the
+    regression guards (its stress and speed figures prove nothing about the patches);
+    every other target runs all.
     """
     plan = []
     for target in targets:
         for scenario in scenarios:
-            if target.label == "pristine" and not scenario.bug:
+            if target.label == "pristine" and not (scenario.bug or scenario.guard):
                 continue
             plan.append((target, scenario))
     return plan
@@ -104,6 +121,20 @@ class Sizes:
     speed_bytes: int
     speed_chunk: int
     spin_ms: float
+    guard_bytes: int = 64 * MiB
+    sleep_count: int = 8
+    sleep_each: int = 256 * MiB
+    sleep_fail_at: int = 4  # the 4th of 8 backups fails, as measured in issue 12
+    churn_min: int = 1 * GiB
+    churn_max: int = 3 * GiB
+    churn_buffers: int = 16
+    churn_shard: int = 16 * MiB
+    churn_budget: int = 6 * GiB + 512 * MiB
+    foreign_count: int = 8
+    foreign_each: int = 1 * GiB
+    fault_bytes: int = 32 * MiB
+    fault_cycles: int = 10_000
+    fault_sweeps: int = 200  # in-flight sweeps in fault stress, one every 10 cycles from the first
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -120,6 +151,7 @@ def plan_sizes(
     speed_gib: float | None = None,
     stress_mib: float | None = None,
     cycles: int = 1000,
+    fault_cycles: int = 10_000,
     spin_ms: float = 200.0,
 ) -> Sizes:
     """Sizes from the GPU's free memory, unless the operator gave them.
@@ -134,6 +166,8 @@ def plan_sizes(
     """
     if cycles < 1:
         raise ConfigError(f"--cycles must be at least 1, not {cycles}")
+    if fault_cycles < 1:
+        raise ConfigError(f"--fault-cycles must be at least 1, not {fault_cycles}")
     if free_bytes < 512 * MiB:
         raise ConfigError(f"the GPU has only {free_bytes / MiB:.0f} MiB free: the selftest needs at least 512 MiB")
     count = 8
@@ -158,7 +192,28 @@ def plan_sizes(
         speed_bytes=_round_down(speed, chunk),
         speed_chunk=chunk,
         spin_ms=spin_ms,
+        fault_cycles=fault_cycles,
+        **_transaction_sizes(free_bytes),
     )
+
+
+def _transaction_sizes(free_bytes: int) -> dict:
+    """Scenarios 7-9, from the free memory: failing sleep 8 x (256 MiB or a 64th);
+    the churn's buffers up to 3 GiB or a 16th, from a third of that, in a budget of
+    twice the largest plus the kept shards (PyTorch gives a pool's cached segments back,
+    largest first, only when they cover the request: with less, a fixed allocator fails
+    too); another process, 8 x (1 GiB or a 32nd)."""
+    biggest = max(_round_down(min(3 * GiB, free_bytes // 16)), 3 * GRANULARITY)
+    buffers, shard = 16, max(_round_down(biggest // 192), GRANULARITY)
+    return {
+        "sleep_each": max(_round_down(min(256 * MiB, free_bytes // 64)), GRANULARITY),
+        "churn_min": max(_round_down(biggest // 3), GRANULARITY),
+        "churn_max": biggest,
+        "churn_buffers": buffers,
+        "churn_shard": shard,
+        "churn_budget": 2 * biggest + buffers * shard + _round_down(biggest // 12),
+        "foreign_each": max(_round_down(min(1 * GiB, free_bytes // 32)), GRANULARITY),
+    }
 
 
 def _given(option: str, value: float | None, unit: int, free_bytes: int, share: float) -> int | None:

@@ -76,6 +76,9 @@ def row_verdict(report: Report, scenario: Scenario) -> tuple[bool, str]:
     before, after = report.result("pristine", scenario.name), report.result("patched", scenario.name)
     if after is None or after.outcome != PASS:
         return False, "patched does not pass"
+    if scenario.guard:
+        seen = before.outcome.upper() if before else "not run"
+        return True, f"regression guard (pristine {seen}): not a proof"
     if not scenario.bug:
         return True, "pass"
     if before is None:

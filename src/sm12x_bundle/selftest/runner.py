@@ -141,9 +141,11 @@ def _where(staged: Staged) -> str:
     return f"{staged.target.label} ({staged.target.tree or 'installed vLLM'})"
 
 
-def scenario_params(sizes: Sizes, speed_target: float) -> dict:
+def scenario_params(sizes: Sizes, speed_target: float, seed: int = 1, wake_after: float = 0.0) -> dict:
     params = sizes.to_dict()
     params["speed_target"] = speed_target
+    params["seed"] = seed
+    params["wake_after_s"] = wake_after
     return params
 
 
@@ -164,7 +166,9 @@ def run_scenario(
     if doc is None:
         reason = "the scenario's process died before it reported" + (f": {tail.splitlines()[-1]}" if tail else "")
         return ScenarioResult(scenario.name, staged.target.label, ERROR, reason, seconds, {"output_tail": tail})
-    return ScenarioResult(
-        scenario.name, staged.target.label, doc["outcome"], doc["reason"], seconds, doc.get("figures", {})
-    )
+    reason, figures = doc["reason"], doc.get("figures", {})
+    if doc.get("provisional"):  # written before a step that may kill the process, which it did
+        reason += " (the process died" + (f": {tail.splitlines()[-1]})" if tail else ")")
+        figures = {**figures, "output_tail": tail}
+    return ScenarioResult(scenario.name, staged.target.label, doc["outcome"], reason, seconds, figures)
 

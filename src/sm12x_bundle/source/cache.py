@@ -3,6 +3,7 @@
 Layout: ``<cache>/sdists/<sha256>/<file>`` and ``<cache>/trees/<sha256>/<top dir>``.
 Entries appear by atomic rename only, under a per-entry lock, so concurrent runs
 either see a whole entry or none, and never download or extract the same one twice.
+An entry found damaged is replaced under the same lock, again by rename.
 """
 
 from __future__ import annotations
@@ -10,8 +11,12 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+from ..progress import Progress
 
 
 def cache_dir() -> Path:
@@ -34,3 +39,25 @@ def locked(cache: Path, key: str) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def swap_in(new: Path, dest: Path) -> None:
+    """Move the folder ``new`` to ``dest``; an old ``dest`` is set aside first, then removed.
+
+    Two renames, so a run reading paths under ``dest`` finds the old or the new folder,
+    apart from the instant between them.
+    """
+    if dest.is_symlink() or dest.is_file():
+        dest.unlink()
+    if not dest.exists():
+        os.replace(new, dest)
+        return
+    aside = Path(tempfile.mkdtemp(prefix=dest.name + ".discarded.", dir=dest.parent))
+    os.replace(dest, aside)
+    os.replace(new, dest)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def notice(progress: Progress | None, text: str) -> None:
+    """Tell the operator about a repair of the cache: on stderr, unless the run is quiet."""
+    (progress or Progress.stderr()).say(f"sm12x-bundle: {text}")

@@ -1,4 +1,4 @@
-"""Download an sdist into the cache, verifying its sha256 before anything uses it."""
+"""Download an sdist into the cache; its sha256 is verified on the way in and on every use."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..errors import FetchError
 from ..progress import Progress
-from .cache import locked
+from .cache import locked, notice
 
 _CHUNK = 1 << 20
 
@@ -29,12 +29,29 @@ def _entry(cache: Path, sha256: str, filename: str) -> Path:
     return cache / "sdists" / sha256 / filename
 
 
-def cached_sdist(cache: Path, pin) -> Path | None:
-    """The cached sdist for a pin with a known sha256, if a verified copy is there."""
+def cached_sdist(cache: Path, pin, progress: Progress | None = None) -> Path | None:
+    """The cached sdist for a pin with a known sha256, hashed now and found whole.
+
+    A cached copy that differs from the sha256 is discarded (with a notice), so the
+    caller fetches it again.
+    """
     if pin.sha256 is None:
         return None
     path = _entry(cache, pin.sha256, pin.filename)
-    return path if path.is_file() else None
+    with locked(cache, pin.sha256):
+        return path if _whole_or_discarded(path, pin.sha256, progress) else None
+
+
+def _whole_or_discarded(path: Path, sha256: str, progress: Progress | None) -> bool:
+    """Whether the cached file ``path`` is there and matches; a damaged one is removed."""
+    if not path.is_file():
+        return False
+    digest = sha256_of(path)
+    if digest == sha256:
+        return True
+    notice(progress, f"the cached {path.name} has sha256 {digest}, not {sha256}: discarded; getting a fresh copy")
+    path.unlink()
+    return False
 
 
 def download(
@@ -43,7 +60,7 @@ def download(
     """Fetch ``url`` into the cache; a hash mismatch leaves nothing behind."""
     dest = _entry(cache, sha256, filename)
     with locked(cache, sha256):
-        if dest.is_file():  # another run finished it while we waited
+        if _whole_or_discarded(dest, sha256, progress):  # another run fetched it while we waited
             return dest
         staging = cache / "tmp"
         staging.mkdir(parents=True, exist_ok=True)
@@ -81,11 +98,11 @@ def _stream(url: str, out, filename: str, progress: Progress | None) -> str:
     return h.hexdigest()
 
 
-def store(local: Path, sha256: str, cache: Path, filename: str) -> Path:
-    """Copy an already-verified local sdist into the cache (atomically)."""
+def store(local: Path, sha256: str, cache: Path, filename: str, progress: Progress | None = None) -> Path:
+    """Copy a local sdist, hashed by the caller, into the cache (atomically)."""
     dest = _entry(cache, sha256, filename)
     with locked(cache, sha256):
-        if not dest.is_file():
+        if not _whole_or_discarded(dest, sha256, progress):
             dest.parent.mkdir(parents=True, exist_ok=True)
             tmp = dest.with_name(dest.name + ".tmp")
             shutil.copyfile(local, tmp)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -79,30 +80,48 @@ def resolve_source(
 ) -> SourceTree:
     """Give the pristine tree for ``pin``: a local tree, a local sdist, or a download.
 
-    Downloads and local sdists are verified against the pin's sha256 before a byte of
-    them is used, and extracted once into the cache.
+    The sdist (cached, downloaded or local) is hashed and compared with the pin's sha256
+    in every call, and its tree, extracted once into the cache, is checked against the
+    record made at extraction; a damaged copy of either is discarded and made again.
     """
     cache_dir = cache_dir or cache_mod.cache_dir()
     if local is not None:
-        return _local(pin, local, cache_dir)
-    sdist = fetch.cached_sdist(cache_dir, pin)
+        return _local(pin, local, cache_dir, progress)
+    sdist, root = _from_cache(pin, cache_dir, progress)
     if sdist is None:
-        url, index_sha = index.find_sdist(index.index_url(index_url), pin.filename)
-        expected = pin.sha256 or index_sha
-        if pin.sha256 and index_sha and index_sha != pin.sha256:
-            raise FetchError(
-                f"the index lists sha256 {index_sha} for {pin.filename}, "
-                f"but the pin says {pin.sha256}: refusing to download"
-            )
-        if expected is None:
-            raise FetchError(f"no sha256 for {pin.filename}: the index gave none and the pin has none")
-        sdist = fetch.download(url, expected, cache_dir, pin.filename, progress=progress)
-        pin = Pin(pin.version, expected)
-    root = extract.cached_tree(sdist, cache_dir, progress=progress)
+        sdist = _download(pin, index_url, cache_dir, progress)
+    if root is None:
+        root = extract.cached_tree(sdist, cache_dir, progress=progress)
     return SourceTree(root, pin.version, sdist.parent.name, f"PyPI sdist {pin.filename}")
 
 
-def _local(pin: Pin, local: Path, cache_dir: Path) -> SourceTree:
+def _from_cache(pin: Pin, cache_dir: Path, progress) -> tuple[Path | None, Path | None]:
+    """(the cached sdist, hashed now; its cached tree, checked now): None for each one
+    that is missing or damaged."""
+    if pin.sha256 is None:
+        return None, None
+    # Hash the sdist in a thread while this one walks the tree: hashlib lets go of the
+    # GIL, so on two cores the sdist's check costs little wall time.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        sdist = pool.submit(fetch.cached_sdist, cache_dir, pin, progress)
+        root = extract.whole_tree(cache_dir, pin.sha256)
+        return sdist.result(), root
+
+
+def _download(pin: Pin, index_url: str | None, cache_dir: Path, progress) -> Path:
+    url, index_sha = index.find_sdist(index.index_url(index_url), pin.filename)
+    expected = pin.sha256 or index_sha
+    if pin.sha256 and index_sha and index_sha != pin.sha256:
+        raise FetchError(
+            f"the index lists sha256 {index_sha} for {pin.filename}, "
+            f"but the pin says {pin.sha256}: refusing to download"
+        )
+    if expected is None:
+        raise FetchError(f"no sha256 for {pin.filename}: the index gave none and the pin has none")
+    return fetch.download(url, expected, cache_dir, pin.filename, progress=progress)
+
+
+def _local(pin: Pin, local: Path, cache_dir: Path, progress) -> SourceTree:
     if local.is_dir():
         if not (local / "vllm" / "__init__.py").is_file():
             raise FetchError(f"{local} is not a vLLM source tree: it has no vllm/__init__.py")
@@ -114,7 +133,7 @@ def _local(pin: Pin, local: Path, cache_dir: Path) -> SourceTree:
             raise FetchError(
                 f"sha256 mismatch for {local}: expected {pin.sha256}, got {digest}"
             )
-        sdist = fetch.store(local, digest, cache_dir, local.name)
-        root = extract.cached_tree(sdist, cache_dir)
+        sdist = fetch.store(local, digest, cache_dir, local.name, progress)
+        root = extract.cached_tree(sdist, cache_dir, progress=progress)
         return SourceTree(root, tree_version(root) or pin.version, digest, f"local sdist {local}")
     raise FetchError(f"{local} does not exist")

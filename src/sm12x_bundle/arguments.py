@@ -1,0 +1,121 @@
+"""Command-line value types: each refuses a bad value with one sentence while argparse
+parses, so nothing has run and nothing is written when a value is wrong.
+
+argparse turns the sentence into ``sm12x-bundle CMD: error: argument --X: SENTENCE``
+and exit code 2, the code for a malformed command line. The checks shared with the
+configuration (versions, image references, digests, paths) come from config.py, so an
+option and the key it overrides are refused in the same words.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from . import config
+
+
+def _from(problem: Callable[[str], str | None]) -> Callable[[str], str]:
+    def check(value: str) -> str:
+        sentence = problem(value)
+        if sentence:
+            raise argparse.ArgumentTypeError(sentence)
+        return value
+
+    return check
+
+
+version = _from(config.version_problem)
+image_ref = _from(config.image_problem)
+image_tag = _from(lambda v: config.image_problem(v, digest_allowed=False))
+digest = _from(config.digest_problem)
+absolute_path = _from(config.absolute_problem)
+text = _from(config.text_problem)
+line = _from(config.line_problem)
+folder_name = _from(config.folder_name_problem)
+
+
+def _number(kind: type, value: str) -> int | float:
+    try:
+        return kind(value)
+    except ValueError:
+        what = "a whole number" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"must be {what}, not {value!r}") from None
+
+
+def non_negative_int(value: str) -> int:
+    n = _number(int, value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {n}")
+    return int(n)
+
+
+def positive_int(value: str) -> int:
+    n = _number(int, value)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, not {n}")
+    return int(n)
+
+
+def positive_float(value: str) -> float:
+    x = _number(float, value)
+    if not x > 0 or x == float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a positive number, not {value}")
+    return float(x)
+
+
+def non_negative_float(value: str) -> float:
+    x = _number(float, value)
+    if not 0 <= x < float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return float(x)
+
+
+def fraction(value: str) -> float:
+    x = _number(float, value)
+    if not 0 < x <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], not {value}")
+    return float(x)
+
+
+def existing_file(value: str) -> Path:
+    path = Path(value)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{value!r} is not a file" if path.exists() else f"{value!r} does not exist")
+    return path
+
+
+def existing_folder(value: str) -> Path:
+    path = Path(value)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{value!r} is not a folder" if path.exists() else f"{value!r} does not exist")
+    return path
+
+
+def folder_path(value: str) -> Path:
+    """A folder that may not exist yet, but whose path is not a file."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("must name a folder, not ''")
+    path = Path(value)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{value!r} is a file, not a folder")
+    return path
+
+
+def writable_file(value: str) -> Path:
+    """A file path to write a report to: not a folder, under a folder that can be written."""
+    if not value.strip() or value.endswith(("/", os.sep)):
+        raise argparse.ArgumentTypeError(f"must name a file, not {value!r}")
+    path = Path(value)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{value!r} is a folder: name a file in it, e.g. {path / 'report.xml'}")
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {value!r}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {value!r}: the folder {parent} is not writable")
+    return path
