@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -39,7 +40,8 @@ def test_headers_say_what_each_patch_is(series):
         assert patch.kind == ("native" if touches_native else "python"), patch.id
         if patch.kind == "native":
             assert patch.builds and patch.builds.endswith(".so")
-        assert patch.origin.startswith("https://github.com/vllm-project/vllm/pull/")
+        # Origin names the upstream discussion: a pull request, or an issue where no PR exists.
+        assert re.fullmatch(r"https://github\.com/vllm-project/vllm/(pull|issues)/[0-9]+", patch.origin), patch.id
 
 
 def test_no_probe_matches_the_pristine_pin(series, pinned_tree):

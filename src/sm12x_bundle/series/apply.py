@@ -68,6 +68,9 @@ def _matches(lines: list[str], pos: int, want: list[str]) -> bool:
 
 def _find(lines: list[str], want: list[str], guess: int) -> int | None:
     """Nearest position to ``guess`` where ``want`` occurs, searching both ways."""
+    # A hunk header may claim any line number; outside the file the search order is the
+    # same from the nearest end, so start there instead of counting up to the claim.
+    guess = min(max(guess, 0), len(lines))
     limit = max(guess, len(lines) - guess) + 1
     for delta in range(limit):
         for pos in (guess - delta, guess + delta) if delta else (guess,):
@@ -147,6 +150,12 @@ class VirtualTree:
     def read(self, path: str) -> FileText | None:
         if path in self.edits:
             return self.edits[path]
+        try:
+            return self._read_disk(path)
+        except (OSError, RuntimeError) as exc:  # RuntimeError: pathlib's word for a symlink loop
+            raise SeriesError(f"{path} cannot be read in the tree: {exc}") from None
+
+    def _read_disk(self, path: str) -> FileText | None:
         disk = self._checked(path)
         if disk.is_symlink():
             raise SeriesError(f"{path} is a symlink in the tree: patching it is refused")
@@ -158,20 +167,23 @@ class VirtualTree:
         return dict(self.edits)
 
 
+_NO_HUNK = Hunk(0, 0, 0, 0, (), 0)  # stands in, in a conflict report, for a file patch without hunks
+
+
 def apply_file_patch(tree: VirtualTree, fp: FilePatch, fuzz: int = 0) -> list[HunkResult]:
     """Apply one file's hunks to the virtual tree, or raise (the tree is unchanged then)."""
     current = tree.read(fp.path)
+    first, last = (fp.hunks[0], fp.hunks[-1]) if fp.hunks else (_NO_HUNK, _NO_HUNK)
     if fp.new_file:
         if current is not None:
-            raise HunkFailure(fp.path, 1, fp.hunks[0], ["<no file>"], ["<file exists>"], 0)
+            raise HunkFailure(fp.path, 1, first, ["<no file>"], ["<file exists>"], 0)
         current = FileText([], True, fp.mode & 0o777 if fp.mode else 0o644)
     elif current is None:
-        hunk = fp.hunks[0] if fp.hunks else Hunk(0, 0, 0, 0, (), 0)
-        raise HunkFailure(fp.path, 1, hunk, hunk.old, ["<file missing>"], 0)
+        raise HunkFailure(fp.path, 1, first, first.old, ["<file missing>"], 0)
     lines, results = apply_hunks(fp.path, current.lines, fp, fuzz)
     if fp.deleted:
         if lines:
-            raise HunkFailure(fp.path, len(fp.hunks), fp.hunks[-1], [], lines[:5], len(lines))
+            raise HunkFailure(fp.path, max(len(fp.hunks), 1), last, [], lines[:5], len(lines))
         tree.edits[fp.path] = None
     else:
         eof = fp.new_eof_newline if fp.hunks else current.eof_newline

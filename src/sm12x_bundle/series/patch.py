@@ -241,7 +241,7 @@ def _one_file(lines: list[str], i: int, file: Path) -> tuple[FilePatch, int]:
         if line.startswith(_UNSUPPORTED):
             raise SeriesError(f"{file}:{i + 1}: {line.split(' ')[0]} patches are not supported")
         if line.startswith("new file mode "):
-            new_file, mode = True, int(line.split()[-1], 8)
+            new_file, mode = True, _mode(line, f"{file}:{i + 1}")
         elif line.startswith("deleted file mode "):
             deleted = True
         elif line.startswith("--- "):
@@ -256,6 +256,13 @@ def _one_file(lines: list[str], i: int, file: Path) -> tuple[FilePatch, int]:
     path = safe_path(new if new != "/dev/null" else old, where)
     hunks, i, eof = _hunks(lines, i, file)
     return FilePatch(path, hunks, new_file, deleted, mode, eof[0], eof[1]), i
+
+
+def _mode(line: str, where: str) -> int:
+    try:
+        return int(line.split()[-1], 8)
+    except ValueError:
+        raise SeriesError(f"{where}: {line!r} does not end in an octal file mode") from None
 
 
 def _hunks(lines: list[str], i: int, file: Path):
@@ -298,6 +305,8 @@ def load_series(series_file: Path) -> Series:
         entries = series_file.read_text("utf-8").splitlines()
     except OSError as exc:
         raise SeriesError(f"cannot read series {series_file}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise SeriesError(f"{series_file} is not UTF-8 text (byte {exc.start})") from None
     patches = []
     for n, raw in enumerate(entries, 1):
         name = raw.split("#", 1)[0].strip().split()[0] if raw.split("#", 1)[0].strip() else ""
@@ -309,6 +318,8 @@ def load_series(series_file: Path) -> Series:
             text = path.read_text("utf-8")
         except OSError as exc:
             raise SeriesError(f"{series_file}:{n}: cannot read {name}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise SeriesError(f"{series_file}:{n}: {name} is not UTF-8 text (byte {exc.start})") from None
         patches.append(parse_patch(text, path))
     if not patches:
         raise SeriesError(f"{series_file}: the series is empty")

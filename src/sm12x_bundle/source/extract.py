@@ -1,7 +1,10 @@
 """Extract an sdist safely, once, into the cache.
 
-Members with absolute paths, ``..`` components, links that point outside the tree,
-or device/fifo entries are refused before anything is written.
+Refused before anything is written: members with absolute paths, ``..`` components or
+names that are not plain, links that point outside the tree (also through other links),
+loops of links, hard links to no earlier file, sparse members, headers of impossible
+size, and device/fifo entries. Only bytes whose sha256 matches the pin are extracted.
+Each refusal has a test (tests/test_fuzz.py, tests/test_fetch.py).
 """
 
 from __future__ import annotations
