@@ -357,3 +357,17 @@ def test_build_refuses_a_foreign_nomad_spec_before_writing_the_tree(work, capsys
     before = listing(work / "build")
     refused(capsys, main(["build", "-q"]), "dsv4-flash.nomad.hcl")
     assert listing(work / "build") == before and not (work / "overlays").exists()
+
+
+def test_a_folder_above_home_is_refused_even_with_force(tmp_path, monkeypatch, capsys):
+    # The working directory outside home, so only the home rule can refuse it.
+    (tmp_path / "users" / "me").mkdir(parents=True)
+    (tmp_path / "users" / "other.txt").write_text("someone else's\n")
+    (tmp_path / "work").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path / "users" / "me"))
+    monkeypatch.chdir(tmp_path / "work")
+    before = listing(tmp_path / "users")
+    code = main(["apply", "-q", "--out", str(tmp_path / "users"), "--force"])
+    assert code == 11
+    assert "a folder above the home folder: refused, even with --force" in capsys.readouterr().err
+    assert listing(tmp_path / "users") == before

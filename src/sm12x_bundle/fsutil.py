@@ -3,7 +3,7 @@ and nothing the tool did not write is ever replaced.
 
 Every folder the tool owns carries :data:`MARKER`. A folder is replaced only when it is
 absent, empty or marked (or ``--force`` says so); the working directory, the home
-folder, the root and the folders above the working directory never are.
+folder, the root and the folders above the working directory or the home folder never are.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def is_ours(folder: Path) -> bool:
 
 def refuse_protected(path: str | os.PathLike[str], what: str = "output folder") -> Path:
     """Refuse '', the working directory, home, the root and the folders above the
-    working directory (even with --force); return the path as given."""
+    working directory or home (even with --force); return the path as given."""
     raw = os.fspath(path)
     target = Path(raw).resolve()
     cwd = Path.cwd().resolve()
@@ -69,6 +69,8 @@ def refuse_protected(path: str | os.PathLike[str], what: str = "output folder") 
         where = "the root folder"
     elif Path.home().resolve() in (target, Path(os.path.expanduser(raw)).resolve()):
         where = "the home folder"
+    elif target in Path.home().resolve().parents:
+        where = "a folder above the home folder"
     elif target == cwd:
         where = "the working directory"
     elif target in cwd.parents:
@@ -176,7 +178,7 @@ def add_force_argument(parser: Any, help_text: str) -> None:
         "--force",
         action="store_true",
         help=f"{help_text}; without it such a folder is refused (exit 11). '', '.', '~', '/' and "
-        "the folders above the working directory are refused even with it",
+        "the folders above the working directory or home are refused even with it",
     )
 
 
