@@ -1,10 +1,12 @@
 """Benchmark and real-shape checks of patch 0004 (Triton sparse MLA for DeepSeek V4).
 
-Runs on one CUDA GPU against a patched vLLM tree (or a copy of just the files
-it needs), without installing or importing vLLM as a whole: the kernel module
-imports only torch and triton; the pinned tree's own helpers it compares with
+Runs on one CUDA GPU, without installing or importing vLLM as a whole. The
+kernel package is loaded by path from its source in this repository,
+patches/0004-triton-sparse-mla-fallback/ (its modules import only torch and
+triton); the patched tree (or a copy of just the files it needs) gives the
+layer wiring and envs.py, and the pinned helpers the kernels are compared with
 (``cache_utils.py``'s Triton cache writer and gatherers,
-``rocm_aiter_mla_sparse.py``'s torch reference) are loaded by path with small
+``rocm_aiter_mla_sparse.py``'s torch reference), loaded by path with small
 stand-ins for the few vLLM modules they import.
 
     python bench/sparse_mla_bench.py --tree PATCHED_TREE --out DIR [--sections ...]
@@ -40,6 +42,7 @@ ROCM_REF = "vllm/v1/attention/ops/rocm_aiter_mla_sparse.py"
 LAYER = "vllm/model_executor/layers/deepseek_v4_attention.py"
 SWA_BACKEND = "vllm/v1/attention/backends/mla/sparse_swa.py"
 ENVS = "vllm/envs.py"
+SOURCES = Path(__file__).resolve().parents[1] / "patches/0004-triton-sparse-mla-fallback"
 
 DIM, TOKEN_BYTES = 512, 584
 RESULTS: dict = {}
@@ -261,7 +264,7 @@ def section_env(args):
 def section_smem(args, mla):
     from triton.backends.compiler import GPUTarget
 
-    extra = [load(args.tree, rel, f"sm12x_{Path(rel).stem}") for rel in (INDEXER, EINSUM)]
+    extra = [load(SOURCES, rel, f"sm12x_{Path(rel).stem}") for rel in (INDEXER, EINSUM)]
     out = {}
     for cap in (120, 90):
         rep = mla.shared_memory_report(GPUTarget("cuda", cap, 32))
@@ -546,7 +549,7 @@ def section_layer(args, tree, mla, cache_utils, rocm):
     sys.modules["vllm.envs"] = envs
     plat = _Platform()
     _stub("vllm.platforms", current_platform=plat)
-    selection = load(tree, SELECTION, "patched_selection")
+    selection = load(SOURCES, SELECTION, "patched_selection")
     table = {}
     for value in (None, "1", "0"):
         for cap in ((9, 0), (10, 0), (12, 0), (12, 1)):
@@ -774,7 +777,7 @@ def _logits_err(got, ref):
 def section_indexer(args, copy_bw, mm_tflops):
     """The sparse indexer's logits at DeepSeek V4's shapes (64 heads, D=128,
     C4 indexer cache pages of 64): correctness against float64, then speed."""
-    idx = load(args.tree, INDEXER, "sm12x_indexer")
+    idx = load(SOURCES, INDEXER, "sm12x_indexer")
     gen = torch.Generator(device="cuda").manual_seed(7)
     dev, fp8 = "cuda", torch.float8_e4m3fn
     H, D, PBS = 64, 128, 64
@@ -875,7 +878,7 @@ def section_einsum(args, copy_bw, mm_tflops):
     """The output projection's fp8 einsum 'bhr,hdr->bhd' with 128x128 weight
     blocks and per-token 1x128 activation scales (DeepSeek V4: o_lora_rank
     1024, 8 heads x 512 per group)."""
-    ein = load(args.tree, EINSUM, "sm12x_einsum")
+    ein = load(SOURCES, EINSUM, "sm12x_einsum")
     gen = torch.Generator(device="cuda").manual_seed(9)
     dev, fp8 = "cuda", torch.float8_e4m3fn
     D, R = 1024, 4096
@@ -953,7 +956,7 @@ def main():
                     help="another revision of attention.py, timed on the same decode inputs")
     args = ap.parse_args()
     sections = args.sections.split(",")
-    mla = load(args.tree, KERNEL, "sm12x_sparse_mla_attention")
+    mla = load(SOURCES, KERNEL, "sm12x_sparse_mla_attention")
     cache_utils, rocm = load_pinned_helpers(args.tree)
     baseline = load(args.baseline.parent, args.baseline.name, "baseline_attention") if args.baseline else None
     args.out.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,8 @@
 
 The sparse attention indexer's MQA logits (prefill: gathered keys; decode:
 the paged indexer cache) and the output projection's block-scaled fp8 einsum
-are loaded from the patched tree by path, without importing vLLM, and checked
+are loaded by path from their source in this repository
+(patches/0004-triton-sparse-mla-fallback/), without importing vLLM, and checked
 against float64 references on fresh random data, outputs poisoned first.
 Without a GPU they run under Triton's CPU interpreter at small shapes.
 """
@@ -21,9 +22,10 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-pytestmark = [pytest.mark.integration, pytest.mark.triton]
+pytestmark = pytest.mark.triton
 
-PKG = Path("vllm/v1/attention/ops/sm12x_sparse_mla")
+SOURCES = Path(__file__).resolve().parents[1] / "patches/0004-triton-sparse-mla-fallback"
+PKG = SOURCES / "vllm/v1/attention/ops/sm12x_sparse_mla"
 FP8 = torch.float8_e4m3fn
 
 
@@ -36,9 +38,8 @@ def device() -> str:
     return "cuda" if _on_gpu() else "cpu"
 
 
-def _load(patched_tree, name):
-    path = Path(patched_tree) / PKG / f"{name}.py"
-    assert path.is_file(), f"patch 0004 did not create {path}"
+def _load(name):
+    path = PKG / f"{name}.py"
     if not _on_gpu() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no GPU, and triton was imported before TRITON_INTERPRET=1 was set")
     spec = importlib.util.spec_from_file_location(f"sm12x_sparse_mla_{name}", path)
@@ -48,13 +49,13 @@ def _load(patched_tree, name):
 
 
 @pytest.fixture(scope="module")
-def idx(patched_tree):
-    return _load(patched_tree, "indexer")
+def idx():
+    return _load("indexer")
 
 
 @pytest.fixture(scope="module")
-def ein(patched_tree):
-    return _load(patched_tree, "einsum")
+def ein():
+    return _load("einsum")
 
 
 def _fp8(shape, gen, scale=1.0):
@@ -270,11 +271,11 @@ print(json.dumps({"limit": limit, "report": out}))
 """
 
 
-def test_indexer_and_einsum_configs_fit_sm120_shared_memory(patched_tree):
+def test_indexer_and_einsum_configs_fit_sm120_shared_memory():
     """Every configuration of the indexer and einsum kernels, compiled for
     sm_120 without a GPU in a fresh process, fits 99 KiB of shared memory."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    paths = [str(Path(patched_tree) / PKG / f"{n}.py") for n in ("indexer", "einsum")]
+    paths = [str(PKG / f"{n}.py") for n in ("indexer", "einsum")]
     proc = subprocess.run([sys.executable, "-c", _REPORT_SCRIPT, *paths],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -1,0 +1,128 @@
+"""New files kept as source beside their patch, and the patch sections derived from them.
+
+A patch ``NNNN-name.patch`` may have a folder ``NNNN-name/`` beside it. Every file under
+that folder is a file the patch adds, at the same path relative to the folder; the patch
+carries it as a ``new file`` section in the form ``git format-patch`` writes. The folder is
+the source: ``regenerate`` rewrites those sections from it and leaves every other section
+(the hunks into upstream files), the mail headers and the order as they are, so the series
+stays a plain quilt / ``git am`` series. ``bin/refresh-patch-sources`` runs it;
+``tests/test_patch_sources.py`` fails while a patch and its folder differ.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import SeriesError
+
+_DIFF = "diff --git a/"
+_SIGNATURE = "-- \n"
+_LINE = re.compile(r"[^\n]*\n|[^\n]+\Z")
+
+
+def _lines(text: str) -> list[str]:
+    """Lines with their ends, split at newlines only (str.splitlines also splits at form feeds)."""
+    return _LINE.findall(text)
+
+
+def source_folder(patch: Path) -> Path | None:
+    """The folder of new files kept beside ``patch``, if it has one."""
+    folder = patch.with_suffix("")
+    return folder if folder.is_dir() else None
+
+
+def source_files(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder``, by its path in the tree, in sorted order."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in files}
+
+
+def new_file_section(path: str, data: bytes) -> str:
+    """The section ``git format-patch`` writes for a new file ``path`` holding ``data``."""
+    blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()[:7]
+    head = [f"diff --git a/{path} b/{path}\n", "new file mode 100644\n", f"index 0000000..{blob}\n"]
+    if not data:
+        return "".join(head)
+    lines = _lines(data.decode())
+    body = ["+" + line for line in lines]
+    if not body[-1].endswith("\n"):
+        body[-1] += "\n\\ No newline at end of file\n"
+    return "".join(head + ["--- /dev/null\n", f"+++ b/{path}\n", f"@@ -0,0 +{_range(len(lines))} @@\n"] + body)
+
+
+def _range(count: int) -> str:
+    return "1" if count == 1 else f"1,{count}"  # as diff writes a one-line range
+
+
+@dataclass
+class _Mail:
+    head: str  # the mail up to the first section
+    sections: list[tuple[str, str]]  # (path, text) in the patch's order
+    tail: str  # the signature, if any
+
+    @classmethod
+    def parse(cls, text: str) -> _Mail:
+        lines = _lines(text)
+        end = _signature_at(lines)
+        starts = [i for i in range(end) if lines[i].startswith(_DIFF)]
+        bounds = starts + [end]
+        sections = [(_path(lines[a]), "".join(lines[a:b])) for a, b in zip(bounds, bounds[1:])]
+        return cls("".join(lines[:bounds[0]]), sections, "".join(lines[end:]))
+
+    def replace(self, path: str, section: str) -> None:
+        paths = [p for p, _ in self.sections]
+        if path not in paths:
+            at = next((i for i, p in enumerate(paths) if p > path), len(paths))
+            self.sections.insert(at, (path, section))
+        elif _lines(self.sections[paths.index(path)][1])[1:2] == ["new file mode 100644\n"]:
+            self.sections[paths.index(path)] = (path, section)
+        else:
+            raise SeriesError(f"{path} is kept as source beside the patch, but the patch changes it "
+                              "instead of adding it")
+
+    def render(self) -> str:
+        return self.head + "".join(text for _, text in self.sections) + self.tail
+
+
+def _signature_at(lines: list[str]) -> int:
+    """Where the mail's signature ("-- " and git's version) starts, or the end."""
+    at = max((i for i, line in enumerate(lines) if line == _SIGNATURE), default=len(lines))
+    hunk_line = tuple(" +-@\\")  # then "-- " was a hunk's removed "- " line
+    return len(lines) if any(line.startswith(hunk_line) for line in lines[at + 1:]) else at
+
+
+def _path(diff_line: str) -> str:
+    return diff_line[len(_DIFF):].rstrip("\n").split(" b/", 1)[0]
+
+
+def regenerate(patch_text: str, files: dict[str, bytes]) -> str:
+    """``patch_text`` with the section of each of ``files`` rewritten from its bytes.
+
+    A section already in the patch is replaced where it stands; a file the patch does
+    not carry yet is inserted before the first section whose path sorts after it. A file
+    the patch modifies rather than adds is refused (SeriesError).
+    """
+    mail = _Mail.parse(patch_text)
+    for path, data in files.items():
+        mail.replace(path, new_file_section(path, data))
+    return mail.render()
+
+
+def refresh(patch: Path, check: bool = False) -> bool:
+    """Bring ``patch`` in step with its source folder; True when it already was.
+
+    With ``check``, only compare. The patch is rewritten only when its bytes change.
+    """
+    folder = source_folder(patch)
+    if folder is None:
+        return True
+    text = patch.read_bytes().decode()
+    new = regenerate(text, source_files(folder))
+    if new == text:
+        return True
+    if not check:
+        patch.write_bytes(new.encode())
+    return False
