@@ -2,7 +2,7 @@
 
 Runs on one CUDA GPU, without installing or importing vLLM as a whole. The
 kernel package is loaded by path from its source in this repository,
-patches/0004-triton-sparse-mla-fallback/ (its modules import only torch and
+patches/fixes/triton-sparse-mla-fallback/new/ (its modules import only torch and
 triton); the patched tree (or a copy of just the files it needs) gives the
 layer wiring and envs.py, and the pinned helpers the kernels are compared with
 (``cache_utils.py``'s Triton cache writer and gatherers,
@@ -42,7 +42,7 @@ ROCM_REF = "vllm/v1/attention/ops/rocm_aiter_mla_sparse.py"
 LAYER = "vllm/model_executor/layers/deepseek_v4_attention.py"
 SWA_BACKEND = "vllm/v1/attention/backends/mla/sparse_swa.py"
 ENVS = "vllm/envs.py"
-SOURCES = Path(__file__).resolve().parents[1] / "patches/0004-triton-sparse-mla-fallback"
+SOURCES = Path(__file__).resolve().parents[1] / "patches/fixes/triton-sparse-mla-fallback/new"
 
 DIM, TOKEN_BYTES = 512, 584
 RESULTS: dict = {}

@@ -17,11 +17,12 @@ from sm12x_bundle.errors import SeriesError
 from sm12x_bundle.series import sources
 
 PATCHES = Path(__file__).resolve().parents[1] / "patches"
-WITH_SOURCES = sorted(p.name for p in PATCHES.glob("*.patch") if sources.source_folder(p))
+WITH_SOURCES = sorted(str(p.relative_to(PATCHES)) for p in PATCHES.glob("*/*.patch") if sources.source_folder(p))
 
 
 def test_the_patches_that_keep_new_files_as_source():
-    assert WITH_SOURCES == ["0004-triton-sparse-mla-fallback.patch", "0005-cumem-backup-pool.patch"]
+    assert "0.21.0/0004-triton-sparse-mla-fallback.patch" in WITH_SOURCES
+    assert "0.21.0/0005-cumem-backup-pool.patch" in WITH_SOURCES
 
 
 @pytest.mark.parametrize("name", WITH_SOURCES)
@@ -30,10 +31,12 @@ def test_patch_carries_its_source_folder_as_it_is(name):
 
 
 def test_an_edit_without_refreshing_is_caught_and_refresh_touches_only_its_section(tmp_path):
-    patch = tmp_path / "0005-cumem-backup-pool.patch"
-    shutil.copy(PATCHES / patch.name, patch)
-    shutil.copytree(PATCHES / patch.stem, tmp_path / patch.stem)
-    module = tmp_path / patch.stem / "vllm/device_allocator/cumem_backup_pool.py"
+    patch = tmp_path / "0.21.0" / "0005-cumem-backup-pool.patch"
+    patch.parent.mkdir()
+    shutil.copy(PATCHES / "0.21.0" / patch.name, patch)
+    folder = tmp_path / "fixes" / "cumem-backup-pool" / "new"
+    shutil.copytree(PATCHES / "fixes" / "cumem-backup-pool" / "new", folder)
+    module = folder / "vllm/device_allocator/cumem_backup_pool.py"
     module.write_text(module.read_text() + "# edited\n")
     before = patch.read_text()
     assert not sources.refresh(patch, check=True) and patch.read_text() == before

@@ -3,7 +3,7 @@
 The sparse attention indexer's MQA logits (prefill: gathered keys; decode:
 the paged indexer cache) and the output projection's block-scaled fp8 einsum
 are loaded by path from their source in this repository
-(patches/0004-triton-sparse-mla-fallback/), without importing vLLM, and checked
+(patches/fixes/triton-sparse-mla-fallback/new/), without importing vLLM, and checked
 against float64 references on fresh random data, outputs poisoned first.
 Without a GPU they run under Triton's CPU interpreter at small shapes.
 """
@@ -24,7 +24,7 @@ triton = pytest.importorskip("triton")
 
 pytestmark = pytest.mark.triton
 
-SOURCES = Path(__file__).resolve().parents[1] / "patches/0004-triton-sparse-mla-fallback"
+SOURCES = Path(__file__).resolve().parents[1] / "patches/fixes/triton-sparse-mla-fallback/new"
 PKG = SOURCES / "vllm/v1/attention/ops/sm12x_sparse_mla"
 FP8 = torch.float8_e4m3fn
 

@@ -1,7 +1,7 @@
 """Correctness of patch 0004's Triton sparse-MLA kernels (DeepSeek V4 on SM12x).
 
 The kernels are loaded by path from their source in this repository
-(patches/0004-triton-sparse-mla-fallback/, which the patch carries; the
+(patches/fixes/triton-sparse-mla-fallback/new/, which the patch carries; the
 patch is kept in step by tests/test_patch_sources.py), without importing vLLM,
 and checked against a float64 reference on fresh random data. Without a GPU
 they run under Triton's CPU interpreter (TRITON_INTERPRET=1) at small shapes.
@@ -29,7 +29,7 @@ triton = pytest.importorskip("triton")
 
 pytestmark = pytest.mark.triton
 
-SOURCES = Path(__file__).resolve().parents[1] / "patches/0004-triton-sparse-mla-fallback"
+SOURCES = Path(__file__).resolve().parents[1] / "patches/fixes/triton-sparse-mla-fallback/new"
 KERNEL_FILE = SOURCES / "vllm/v1/attention/ops/sm12x_sparse_mla/attention.py"
 NOPE, ROPE, DIM = 448, 64, 512
 TOKEN_DATA, SCALE_GROUP, TOKEN_BYTES = 576, 8, 584

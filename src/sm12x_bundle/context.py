@@ -16,10 +16,10 @@ from .source.pin import Pin, SourceTree, resolve_source
 
 def shipped_series() -> Path:
     """The series shipped with the tool: packaged in a wheel, or patches/ of a checkout."""
-    packaged = resources.files("sm12x_bundle").joinpath("_patches/series")
+    packaged = resources.files("sm12x_bundle").joinpath("_patches/0.21.0/series")
     if packaged.is_file():
         return Path(str(packaged))
-    checkout = Path(__file__).resolve().parents[2] / "patches" / "series"
+    checkout = Path(__file__).resolve().parents[2] / "patches" / "0.21.0" / "series"
     if checkout.is_file():
         return checkout
     raise SeriesError("no patch series found: give 'series:' in the config")

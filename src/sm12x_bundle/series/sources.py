@@ -28,9 +28,18 @@ def _lines(text: str) -> list[str]:
     return _LINE.findall(text)
 
 
+def fix_id(patch: Path) -> str:
+    """``0004-triton-sparse-mla-fallback.patch`` -> ``triton-sparse-mla-fallback``."""
+    return re.sub(r"^\d+-", "", patch.name.removesuffix(".patch"))
+
+
 def source_folder(patch: Path) -> Path | None:
-    """The folder of new files kept beside ``patch``, if it has one."""
-    folder = patch.with_suffix("")
+    """The folder of new files the fix of ``patch`` adds, kept as source, if it has one.
+
+    A lane's patch lives in ``patches/<version>/``; the files it adds live once, in
+    ``patches/fixes/<fix>/new/``, shared by every lane that carries the fix.
+    """
+    folder = patch.parent.parent / "fixes" / fix_id(patch) / "new"
     return folder if folder.is_dir() else None
 
 
