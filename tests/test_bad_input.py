@@ -69,6 +69,19 @@ jobs:
     progress_deadline_s: 2400
 """
 
+PIN = """\
+pin:
+  version: "0.21.0"
+  sha256: 05ff89c3e926b88b77d7878e317a659ffba678afc21c1d48952037aa5457f058
+"""
+LANES = """\
+lanes:
+  - version: "0.21.0"
+    sha256: 05ff89c3e926b88b77d7878e317a659ffba678afc21c1d48952037aa5457f058
+  - version: "0.33.0"
+    sha256: f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112
+"""
+
 PEER = """\
   - name: mimo-flash
     model: /models/MiMo-V2.5-Flash
@@ -164,6 +177,12 @@ ROWS = [
     ("image-source-url-no-scheme", DRY, cfg("image.source_url", "source_url: https://example.invalid/sm12x-bundle", "source_url: example.invalid/sm12x-bundle"), 3, "must be a URL starting with http:// or https://"),
     ("image-revision-two-lines", DRY, cfg("image.revision", "  cuda_home: /usr/local/cuda\n", '  cuda_home: /usr/local/cuda\n  revision: "a\\nb"\n', '  revision: "a\\nb"'), 3, "must be one line, not 'a\\nb'"),
     ("image-cuda-home-relative", DRY, cfg("image.cuda_home", "cuda_home: /usr/local/cuda", "cuda_home: cuda"), 3, "must be a normalised absolute path"),
+    ("lanes-with-pin", DRY, cfg("pin", "check:\n", LANES + "check:\n", "pin:"), 3, "'pin:' is the one-lane form"),
+    ("lanes-duplicate", DRY, cfg("lanes[1].version", PIN, LANES.replace('"0.33.0"', '"0.21.0"'), '- version: "0.21.0"'), 3, "lane versions must be unique"),
+    ("lane-sha256-short", DRY, cfg("lanes[1].sha256", PIN, LANES.replace("sha256: f4c3", "sha256: 0f4c3"), "sha256: 0f4c3" + LANES.split("sha256: f4c3")[1].split("\n")[0]), 3, "must be 64 lowercase hex digits"),
+    ("lane-series-absent", DRY, cfg("lanes[1].series", PIN, LANES + "    series: absent/series\n", "series: absent/series"), 3, "does not exist"),
+    ("lane-without-shipped-series", DRY, cfg("lanes[1].version", PIN, LANES.replace('"0.33.0"', '"0.26.0"'), '- version: "0.26.0"'), 3, "no series is shipped for vLLM 0.26.0"),
+    ("check-version-below-every-lane", ["check"], cfg("check.versions[0]", "versions: []", 'versions: ["0.20.0"]'), 3, "0.20.0 is below every lane (0.21.0)"),
     # --- command-line values: argparse's exit 2, before the config is even read
     ("check-fuzz-negative", ["check", "--fuzz", "-1"], None, 2, "argument --fuzz: must be 0 or more, not -1"),
     ("check-fuzz-word", ["check", "--fuzz", "x"], None, 2, "argument --fuzz: must be a whole number, not 'x'"),
@@ -199,6 +218,10 @@ ROWS = [
     ("selftest-json-out-folder", ["selftest", "--installed", "--json-out", "."], None, 2, "argument --json-out: '.' is a folder"),
     ("selftest-work-is-a-file", ["selftest", "--installed", "--work", CONFIG], None, 2, f"argument --work: '{CONFIG}' is a file, not a folder"),
     # --- the config file itself
+    # --- lanes named on the command line: checked against the config, before anything is fetched
+    ("check-vllm-below-every-lane", ["check", "--vllm", "0.20.0"], None, 2, "--vllm 0.20.0 is below every lane (the lanes: 0.21.0)"),
+    ("check-lane-unknown", ["check", "--lane", "0.33.0"], None, 2, "--lane 0.33.0: the configuration has no such lane (its lanes: 0.21.0)"),
+    ("apply-lane-unknown", ["apply", "--lane", "0.33.0", "--out", "tree"], None, 2, "--lane 0.33.0: the configuration has no such lane"),
     ("config-missing", ["series", "--config", "absent.yaml"], None, 3, "cannot read config absent.yaml"),
     ("config-is-a-folder", ["series", "--config", "."], None, 3, "cannot read config .: Is a directory"),
 ]

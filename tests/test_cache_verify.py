@@ -2,6 +2,7 @@
 tree by the record made at extraction. A damaged copy is named on stderr, discarded and
 made again from verified bytes; an unverified archive is never extracted."""
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -314,7 +315,8 @@ def test_real_sdist_damage_is_repaired_before_apply_writes_and_verified_means_ve
 
     shutil.rmtree(_tree(cache, PIN_SHA))
     monkeypatch.setenv("PIP_INDEX_URL", index)
-    run = pipeline.Run(Context(default_context.config, Progress.quiet(), cache), tmp_path / "b", None)
+    one_lane = dataclasses.replace(default_context.config, lanes=default_context.config.lanes[:1])  # the index has 0.21.0
+    run = pipeline.Run(Context(one_lane, Progress.quiet(), cache), tmp_path / "b", None)
     assert pipeline._pin(run).endswith(f"sha256 {PIN_SHA} verified")  # the line build prints
     assert hashlib.sha256(_sdist_path(cache, PIN_SHA, "0.21.0").read_bytes()).hexdigest() == PIN_SHA
     assert set(_record_paths(_tree(cache, PIN_SHA))) == members  # all 5,464, as in the sdist

@@ -12,10 +12,10 @@ def parse(text: str):
 
 def test_embedded_default_is_the_pinned_release():
     cfg = config_mod.parse(config_mod.default_text(), "<embedded default>", Path("."))
-    assert cfg.pin.version == "0.21.0"
+    assert cfg.pin.version == "0.21.0"  # the first lane (tests/test_lanes.py checks both)
     assert cfg.pin.sha256 == "05ff89c3e926b88b77d7878e317a659ffba678afc21c1d48952037aa5457f058"
     assert cfg.check.fuzz == 0
-    assert [t.name for t in cfg.targets] == ["vllm-openai-v0.21.0"]
+    assert cfg.targets[0].name == "vllm-openai-v0.21.0"
 
 
 def test_unknown_key_names_file_line_and_nearest_key():
@@ -70,16 +70,20 @@ def test_job_must_name_a_known_target():
         parse(text)
 
 
-def test_paths_resolve_against_the_config_file():
-    cfg = parse("series: patches/series\n")
-    assert cfg.resolve("patches/series") == Path("/base/patches/series")
+def test_paths_resolve_against_the_config_file(tmp_path):
+    (tmp_path / "patches").mkdir()
+    (tmp_path / "patches" / "series").write_text("# nothing carried\n")
+    cfg = config_mod.parse("series: patches/series\n", "cfg.yaml", tmp_path)
+    assert cfg.resolve("patches/series") == tmp_path / "patches" / "series"
+    assert cfg.series_path(cfg.lanes[0]) == tmp_path / "patches" / "series"
     assert cfg.resolve("/abs") == Path("/abs")
 
 
 def test_local_file_replaces_default(tmp_path):
-    (tmp_path / "sm12x-bundle.yaml").write_text("pin:\n  version: '0.26.0'\n")
+    (tmp_path / "sm12x-bundle.yaml").write_text("pin:\n  version: '0.33.0'\n")
     cfg = config_mod.load(cwd=tmp_path)
-    assert cfg.pin.version == "0.26.0"
+    assert cfg.pin.version == "0.33.0"
+    assert [lane.version for lane in cfg.lanes] == ["0.33.0"]
     assert cfg.origin.endswith("sm12x-bundle.yaml")
 
 

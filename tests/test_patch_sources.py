@@ -1,7 +1,8 @@
-"""New files kept as source beside their patch (src/sm12x_bundle/series/sources.py).
+"""What a fix keeps once for every lane (src/sm12x_bundle/series/sources.py).
 
-The shipped patches must carry each file of their source folder exactly as it is in the
-repository; ``bin/refresh-patch-sources`` rewrites them after an edit.
+Every lane's patch must carry each file of its fix's ``new/`` folder exactly as it is in
+the repository, and the upstream metadata lines of its fix's ``upstream`` file exactly as
+they are there; ``bin/refresh-patch-sources`` rewrites them after an edit.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from sm12x_bundle.series import sources
 
 PATCHES = Path(__file__).resolve().parents[1] / "patches"
 WITH_SOURCES = sorted(str(p.relative_to(PATCHES)) for p in PATCHES.glob("*/*.patch") if sources.source_folder(p))
+LANE_PATCHES = sorted(str(p.relative_to(PATCHES)) for p in PATCHES.glob("*/*.patch"))
 
 
 def test_the_patches_that_keep_new_files_as_source():
@@ -104,3 +106,85 @@ def test_a_file_the_patch_changes_is_not_overwritten():
     text = make_patch({"vllm/a.py": ("x\n", "y\n")})
     with pytest.raises(SeriesError, match="changes it instead of adding it"):
         sources.regenerate(text, {"vllm/a.py": b"y\n"})
+
+
+# --- upstream metadata, kept once per fix -------------------------------------
+
+
+@pytest.mark.parametrize("name", LANE_PATCHES)
+def test_every_lane_patch_carries_its_fix_upstream_file(name):
+    patch = PATCHES / name
+    upstream = sources.upstream_file(patch)
+    assert upstream.is_file(), (
+        f"{name}: its fix has no {upstream.relative_to(PATCHES.parent)} (Origin, Bug, Forwarded, "
+        "Applied-Upstream, Sm12x-Probe lines, kept once for every lane): write it"
+    )
+    text = patch.read_text()
+    in_step = sources.with_upstream(text, sources.read_upstream(upstream)) == text
+    assert in_step, f"{name} differs from its fix's {upstream.name} file: run bin/refresh-patch-sources"
+
+
+def test_the_shipped_fixes_keep_their_upstream_metadata_once():
+    fixes = sorted(p.parent.name for p in PATCHES.glob("fixes/*/upstream"))
+    assert fixes == [
+        "cumem-backup-pool",
+        "cumem-error-code-reset",
+        "cumem-stream-aware-free",
+        "cumem-wake-up-rollback",
+        "triton-sparse-mla-fallback",
+    ]
+
+
+def _lane_copy(tmp_path: Path, name: str) -> Path:
+    patch = tmp_path / name
+    patch.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(PATCHES / name, patch)
+    fix = tmp_path / "fixes" / sources.fix_id(patch)
+    fix.mkdir(parents=True, exist_ok=True)
+    shutil.copy(PATCHES / "fixes" / fix.name / "upstream", fix / "upstream")
+    return patch
+
+
+def test_an_upstream_edit_reaches_every_lane_and_touches_only_those_lines(tmp_path):
+    lanes = [_lane_copy(tmp_path, "0.21.0/0005-cumem-backup-pool.patch"),
+             _lane_copy(tmp_path, "0.33.0/0004-cumem-backup-pool.patch")]
+    upstream = tmp_path / "fixes" / "cumem-backup-pool" / "upstream"
+    upstream.write_text(upstream.read_text().replace("Applied-Upstream: no", "Applied-Upstream: 0.34.0")
+                        + "Sm12x-Probe: vllm/envs.py ~ BACKUP_POOL\n")
+    for patch in lanes:
+        before = patch.read_text()
+        assert not sources.refresh(patch, check=True) and patch.read_text() == before
+        assert not sources.refresh(patch)
+        assert sources.refresh(patch, check=True)
+        changed = [line for line in difflib.ndiff(before.splitlines(), patch.read_text().splitlines())
+                   if line[:1] in "+-"]
+        assert changed == ["- Applied-Upstream: no", "+ Applied-Upstream: 0.34.0",
+                           "+ Sm12x-Probe: vllm/envs.py ~ BACKUP_POOL"]
+
+
+def test_a_lane_patch_edited_by_hand_is_caught_and_rewritten(tmp_path):
+    patch = _lane_copy(tmp_path, "0.33.0/0002-cumem-wake-up-rollback.patch")
+    text = patch.read_text()
+    patch.write_text(text.replace("Applied-Upstream: no\n", "Applied-Upstream: no\nSm12x-Probe: vllm/envs.py ~ x\n"))
+    assert not sources.refresh(patch, check=True)
+    assert not sources.refresh(patch) and patch.read_text() == text
+
+
+def test_continuation_lines_are_rewritten_with_their_field():
+    text = (PATCHES / "0.21.0" / "0004-triton-sparse-mla-fallback.patch").read_text()
+    upstream = sources.read_upstream(PATCHES / "fixes" / "triton-sparse-mla-fallback" / "upstream")
+    edited = text.replace(" https://github.com/vllm-project/vllm/pull/40991\n", "", 1)
+    assert edited != text and sources.with_upstream(edited, upstream) == text
+
+
+def test_upstream_file_holds_upstream_metadata_only(tmp_path):
+    bad = tmp_path / "upstream"
+    bad.write_text("Origin: x\nForwarded: no\nApplied-Upstream: no\nLast-Update: 2026-11-22\n")
+    with pytest.raises(SeriesError, match="Last-Update is not upstream metadata"):
+        sources.read_upstream(bad)
+    bad.write_text("Origin: x\nApplied-Upstream: no\n")
+    with pytest.raises(SeriesError, match="missing Forwarded"):
+        sources.read_upstream(bad)
+    bad.write_text("Origin: x\n\nForwarded: no\n")
+    with pytest.raises(SeriesError, match="upstream:2: expected a 'Key: value' line"):
+        sources.read_upstream(bad)

@@ -21,6 +21,7 @@ def test_plan_of_the_embedded_default(default_context):
         ("pin", "the cache"),
         ("check", "-"),
         ("tree", "build/vllm-0.21.0-sm12x"),
+        ("tree", "build/vllm-0.33.0-sm12x"),
         ("overlays", "overlays/"),
         ("nomad", "build/nomad/"),
     ]
@@ -29,14 +30,15 @@ def test_plan_of_the_embedded_default(default_context):
 def test_plan_follows_the_config(default_context):
     config = dataclasses.replace(default_context.config, jobs=(), targets=())
     steps = pipeline.plan(Context(config, Progress.quiet()), build_image=True)
-    assert [s.name for s in steps] == ["pin", "check", "tree", "image"]
+    assert [s.name for s in steps] == ["pin", "check", "tree", "tree", "image"]
 
 
 def test_dry_run_prints_the_plan_and_touches_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("SM12X_BUNDLE_CACHE", str(tmp_path / "cache"))
     assert main(["build", "--dry-run"]) == 0
-    assert "3. tree      -> build/vllm-0.21.0-sm12x" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "3. tree      -> build/vllm-0.21.0-sm12x" in out and "4. tree      -> build/vllm-0.33.0-sm12x" in out
     assert list(tmp_path.iterdir()) == []
 
 
@@ -59,6 +61,7 @@ def test_build_on_the_default_without_a_daemon(tmp_path, monkeypatch, capsys, pi
     assert (tree / "vllm" / "device_allocator" / "cumem.py").read_bytes() != (
         pinned_source.root / "vllm" / "device_allocator" / "cumem.py"
     ).read_bytes()
+    assert (tmp_path / "build" / "vllm-0.33.0-sm12x" / "vllm" / "device_allocator" / "cumem.py").is_file()
     manifest = json.loads((tmp_path / "overlays" / "vllm-openai-v0.21.0" / "current.json").read_text())
     spec = json.loads((tmp_path / "build" / "nomad" / "dsv4-flash.nomad.json").read_text())
     mounted = json.dumps(spec)

@@ -3,7 +3,10 @@
 import re
 from pathlib import Path
 
+from sm12x_bundle import config as config_mod
 from sm12x_bundle.checks.report import series_markdown
+from sm12x_bundle.context import Context
+from sm12x_bundle.progress import Progress
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -21,10 +24,11 @@ def test_ci_runs_the_readme_test_command():
     assert re.search(r"^exec scripts/test\b", ci, re.M)
 
 
-def test_patch_table_is_generated_from_the_series(series):
+def test_patch_table_is_generated_from_the_lanes():
     table = re.search(r"<!-- series-table.*?-->\n(.*?)<!-- /series-table -->", README, re.S)
     assert table, "README lost its series table markers"
-    assert table.group(1) == series_markdown(series)
+    default = config_mod.parse(config_mod.default_text(), "<embedded default>", REPO)
+    assert table.group(1) == series_markdown(Context(default, Progress.quiet()).lanes)
 
 
 def test_config_reference_names_every_key():
@@ -33,6 +37,6 @@ def test_config_reference_names_every_key():
     from sm12x_bundle import config as config_mod
 
     section = README[README.index("## Configuration") : README.index("### The pin and the cache")]
-    for cls in (config_mod.PinConfig, config_mod.CheckConfig, config_mod.OutputConfig, config_mod.TargetConfig, config_mod.ImageConfig, config_mod.JobConfig):
+    for cls in (config_mod.LaneConfig, config_mod.PinConfig, config_mod.CheckConfig, config_mod.OutputConfig, config_mod.TargetConfig, config_mod.ImageConfig, config_mod.JobConfig):
         for f in dataclasses.fields(cls):
             assert f"`{f.name}`" in section or f".{f.name}`" in section or f", {f.name}" in section or f"`{f.name}," in section, f"{cls.__name__}.{f.name} is not in the README's configuration reference"

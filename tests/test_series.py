@@ -75,8 +75,8 @@ def test_series_entry_cannot_escape(tmp_path):
 
 
 def test_empty_or_missing_series(tmp_path):
+    # A lane may carry nothing: every fix landed upstream, or its ports are not written yet.
     (tmp_path / "series").write_text("# nothing\n")
-    with pytest.raises(SeriesError, match="empty"):
-        load_series(tmp_path / "series")
+    assert load_series(tmp_path / "series").patches == ()
     with pytest.raises(SeriesError, match="cannot read"):
         load_series(tmp_path / "absent")

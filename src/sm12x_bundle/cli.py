@@ -26,6 +26,7 @@ from .context import Context
 from .errors import BundleError, ConfigError
 from .fsutil import add_force_argument, write_file
 from .progress import Progress
+from .series.lane import Lane, known_fixes
 
 # What each exit code means; a command's --help lists only the codes it can return
 # (EXIT_CODES here and in each plugin module), in its own words where it has them.
@@ -51,13 +52,16 @@ COMMON_CODES = (0, 2, 3)
 EXIT_CODES: dict[str, dict[int, str | None]] = {
     "series": {5: None},
     "check": {
-        0: "every patch applies",
-        10: "no conflict, but some patch has landed upstream",
-        20: "some patch conflicts",
+        0: "every patch applies (a fix a lane does not carry because it landed upstream counts as fine)",
+        2: "could not run: a malformed command line, an unknown --lane, a --vllm release below every "
+        "lane (nothing fetched), or an unexpected failure (a bug)",
+        10: "no conflict, but some patch a lane carries has landed upstream",
+        20: "some patch conflicts, or a lane lacks a fix that has not landed upstream in the release checked",
         4: "could not run: a release could not be fetched or verified",
         5: None,
     },
-    "apply": {4: None, 5: None, 6: None, 11: None},
+    "apply": {2: "could not run: a malformed command line, an unknown --lane (nothing written), or an "
+              "unexpected failure (a bug)", 4: None, 5: None, 6: None, 11: None},
     "fetch": {4: None},
 }
 
@@ -93,24 +97,58 @@ replaced by --config FILE when given.
 """
 
 
-def _check_source(ctx: Context, version: str | None, fuzz: int) -> check_mod.VersionReport:
-    label = ctx.config.pin.version if version is None else version
+def named_lane(ctx: Context, version: str) -> Lane:
+    """The lane ``--lane`` names; refused (exit 2, nothing fetched) when there is none."""
+    lane = ctx.lane(version)
+    if lane is None:
+        raise BundleError(f"--lane {version}: the configuration has no such lane (its lanes: {ctx.lane_versions})")
+    return lane
+
+
+def _lane_for_release(ctx: Context, version: str, named: str | None) -> Lane:
+    """The lane ``--vllm VERSION`` is checked with, said on stderr with the reason."""
+    if named:
+        lane, why = named_lane(ctx, named), "named by --lane"
+    else:
+        lane, why = ctx.lane_for(version), f"the nearest lane at or below {version}"
+    if lane is None:
+        raise BundleError(
+            f"--vllm {version} is below every lane (the lanes: {ctx.lane_versions}), so no series is "
+            "written for it: name one with --lane"
+        )
+    ctx.progress.say(f"check: vLLM {version} with lane {lane.version} ({why})")
+    return lane
+
+
+def check_runs(ctx: Context, vllm: list[str] | None, named: str | None) -> list[tuple[Lane, str]]:
+    """(lane, release) pairs to check: each --vllm release with its lane; without --vllm,
+    every lane (or the one --lane names) at its own pin, plus each check.versions release
+    with the lane nearest at or below it."""
+    if vllm:
+        return [(_lane_for_release(ctx, v, named), v) for v in dict.fromkeys(vllm)]
+    lanes = [named_lane(ctx, named)] if named else list(ctx.lanes)
+    runs = [(lane, lane.version) for lane in lanes]
+    for v in ctx.config.check.versions:
+        lane = ctx.lane_for(v)
+        if lane in lanes and (lane, v) not in runs:
+            runs.append((lane, v))
+    return runs
+
+
+def _check_run(ctx: Context, lane: Lane, version: str, fixes: dict, fuzz: int) -> check_mod.VersionReport:
     try:
         source = ctx.source(version)
     except BundleError as exc:
-        return check_mod.VersionReport(label, "-", None, error=str(exc), error_code=exc.exit_code)
-    return check_mod.check_tree(ctx.series, source, fuzz)
+        return check_mod.VersionReport(version, "-", None, error=str(exc), error_code=exc.exit_code, lane=lane.version)
+    return check_mod.check_lane(lane, source, fixes, fuzz)
 
 
 def cmd_check(ctx: Context, args: argparse.Namespace) -> int:
-    versions: list[str | None] = [None]
-    for v in list(ctx.config.check.versions) + (args.vllm or []):
-        if v != ctx.config.pin.version and v not in versions:
-            versions.append(v)
+    runs = check_runs(ctx, args.vllm, args.lane)  # every series parsed, every lane chosen, before any download
+    fixes = known_fixes(ctx.lanes)
     fuzz = ctx.config.check.fuzz if args.fuzz is None else args.fuzz
-    ctx.series  # parse (and refuse an unsafe series) before any download
-    with ThreadPoolExecutor(max_workers=min(4, len(versions))) as pool:
-        reports = list(pool.map(lambda v: _check_source(ctx, v, fuzz), versions))
+    with ThreadPoolExecutor(max_workers=min(4, len(runs))) as pool:
+        reports = list(pool.map(lambda run: _check_run(ctx, *run, fixes, fuzz), runs))
     if args.junit:
         write_file(Path(args.junit), report.to_junit(reports).encode())
     sys.stdout.write(report.to_json(reports) if args.json else report.table(reports))
@@ -121,10 +159,11 @@ def cmd_apply(ctx: Context, args: argparse.Namespace) -> int:
     from .fsutil import check_replaceable, refuse_protected
     from .outputs.tree import write_tree
 
+    lane = named_lane(ctx, args.lane) if args.lane else ctx.lanes[0]
     out = refuse_protected(args.out)
     check_replaceable(out, args.force)  # before any download
-    source = ctx.source()
-    result = write_tree(ctx.series, source, out, ctx.config.check.fuzz, args.force)
+    source = ctx.source(lane.version)
+    result = write_tree(lane.series, source, out, ctx.config.check.fuzz, args.force)
     for res in result.results:
         ctx.progress.say(f"{res.patch}: {res.summary()}")
     print(f"patched vLLM {source.version} tree written to {out}")
@@ -132,7 +171,7 @@ def cmd_apply(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def cmd_series(ctx: Context, args: argparse.Namespace) -> int:
-    sys.stdout.write(report.series_markdown(ctx.series) if args.markdown else report.series_table(ctx.series))
+    sys.stdout.write(report.series_markdown(ctx.lanes) if args.markdown else report.series_table(ctx.lanes))
     return 0
 
 
@@ -152,7 +191,10 @@ def _commands() -> dict[str, tuple[str, str, Callable[[argparse.ArgumentParser],
 
     def check_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--vllm", action="append", type=arguments.version, metavar="VERSION",
-                       help="also check this vLLM release (repeatable)")
+                       help="check this vLLM release instead of each lane's pin (repeatable), with the lane "
+                       "--lane names, else the lane whose pin is nearest at or below it")
+        p.add_argument("--lane", type=arguments.version, metavar="VERSION",
+                       help="check only this lane (named by its pin's version): at its pin, or against each --vllm")
         p.add_argument("--json", action="store_true", help="print JSON instead of the table")
         p.add_argument("--junit", type=arguments.writable_file, metavar="FILE",
                        help="also write a JUnit XML report to FILE")
@@ -161,6 +203,9 @@ def _commands() -> dict[str, tuple[str, str, Callable[[argparse.ArgumentParser],
 
     def apply_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--out", required=True, metavar="DIR", help="where to write the patched tree")
+        p.add_argument("--lane", type=arguments.version, metavar="VERSION",
+                       help="the lane to write (named by its pin's version; default: the config's first lane; "
+                       "'build' writes every lane's tree)")
         add_force_argument(p, "replace DIR even if it holds files this tool did not write")
 
     def fetch_args(p: argparse.ArgumentParser) -> None:
@@ -178,14 +223,22 @@ def _commands() -> dict[str, tuple[str, str, Callable[[argparse.ArgumentParser],
             cmd_series,
         ),
         "check": (
-            "report which patches apply, conflict, or have landed upstream",
-            "example: sm12x-bundle check --vllm 0.26.0 --vllm 0.33.0 --junit check.xml",
+            "report, for each lane, which patches apply, conflict, or have landed upstream",
+            "By default every lane is checked against its own pin, plus each check.versions release\n"
+            "against the lane nearest at or below it. A fix the shipped layout knows (another lane's\n"
+            "patch, or patches/fixes/<fix>/upstream) that a lane does not carry gets a row: 'not\n"
+            "carried: landed upstream (probe|reverse-apply)', or 'not carried, and not landed\n"
+            "upstream' (exit 20).\n\n"
+            "example: sm12x-bundle check\n"
+            "         sm12x-bundle check --vllm 0.26.0 --junit check.xml   # with lane 0.21.0\n"
+            "         sm12x-bundle check --lane 0.33.0 --vllm 0.26.0",
             check_args,
             cmd_check,
         ),
         "apply": (
             "write the patched tree (atomically: all of it or nothing)",
-            "example: sm12x-bundle apply --out build/vllm-patched",
+            "example: sm12x-bundle apply --out build/vllm-patched\n"
+            "         sm12x-bundle apply --lane 0.33.0 --out build/vllm-0.33.0-patched",
             apply_args,
             cmd_apply,
         ),

@@ -33,11 +33,28 @@ class PinConfig:
     """The vLLM source the series is written for."""
 
     version: str = "0.21.0"
-    sha256: str = "05ff89c3e926b88b77d7878e317a659ffba678afc21c1d48952037aa5457f058"
+    # None: the sha256 recorded in data/releases.json (or, for a release not listed there,
+    # the index's own hash).
+    sha256: str | None = None
     # None follows pip's configured index (PIP_INDEX_URL, pip.conf), then PyPI.
     index_url: str | None = None
     # A local vLLM source tree or sdist to use instead of a download.
     source: str | None = None
+
+
+@dataclass(frozen=True)
+class LaneConfig:
+    """One lane: a pinned vLLM release and the series written for it."""
+
+    version: str
+    # None: the sha256 in data/releases.json (or the index's own, for an unlisted release).
+    sha256: str | None = None
+    # None: the shipped series of this release, patches/<version>/series.
+    series: str | None = None
+    # A local vLLM source tree or sdist to use instead of a download.
+    source: str | None = None
+    # None follows pip's configured index (PIP_INDEX_URL, pip.conf), then PyPI.
+    index_url: str | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +85,10 @@ class TargetConfig:
     # The image carries the pinned release unchanged: read pre-images from the
     # pinned tree when no Docker daemon is available.
     pinned: bool = False
+    # The vLLM release the image carries (one of lanes[].version). Without a daemon a pinned
+    # target stands in with that lane's tree (None: the first lane's); with one, the image's
+    # own version selects the lane and must agree.
+    vllm: str | None = None
 
 
 @dataclass(frozen=True)
@@ -155,9 +176,13 @@ class JobConfig:
 class Config:
     """The whole configuration, and where it came from."""
 
+    # The one-lane form (pin + series). A file that gives `lanes:` may not give these; after
+    # loading they repeat the first lane, for callers that know one lane only.
     pin: PinConfig = PinConfig()
-    # Path of patches/series; None uses the series shipped with the tool.
+    # Path of a series file; None uses the series shipped with the tool for pin.version.
     series: str | None = None
+    # Every lane, in the file's order; a one-lane config (pin + series) fills it with one.
+    lanes: tuple[LaneConfig, ...] = ()
     check: CheckConfig = CheckConfig()
     output: OutputConfig = OutputConfig()
     targets: tuple[TargetConfig, ...] = ()
@@ -165,6 +190,18 @@ class Config:
     jobs: tuple[JobConfig, ...] = ()
     origin: str = "<embedded default>"
     base_dir: str = "."
+
+    def __post_init__(self) -> None:
+        if not self.lanes:  # the one-lane form, also when built in code
+            object.__setattr__(self, "lanes", (_lane_of_pin(self.pin, self.series),))
+
+    def series_path(self, lane: LaneConfig) -> Path | None:
+        """The lane's series file: its own, else the shipped one for its release (None: none shipped)."""
+        if lane.series:
+            return self.resolve(lane.series)
+        from .series.lane import shipped_series
+
+        return shipped_series(lane.version)
 
     def resolve(self, path: str) -> Path:
         """A path from the config, relative to the config file's directory."""
@@ -177,6 +214,10 @@ class Config:
                 return t
         known = [t.name for t in self.targets]
         raise ConfigError(f"{self.origin}: no target named {name!r}{_did_you_mean(name, known)}")
+
+
+def _lane_of_pin(pin: PinConfig, series: str | None) -> LaneConfig:
+    return LaneConfig(pin.version, pin.sha256, series, pin.source, pin.index_url)
 
 
 # --- loading -----------------------------------------------------------------
@@ -310,11 +351,16 @@ def _build(cls: type, node: _Node, where: str, origin: str, lines: dict[str, int
 
 
 def parse(text: str, origin: str, base_dir: Path) -> Config:
-    """Parse one YAML document into a Config and check every value (pure: no file access)."""
+    """Parse one YAML document into a Config and check every value (file access: only
+    whether each lane's series file exists)."""
     lines: dict[str, int] = {}
     config = _build(Config, _compose(text, origin), "", origin, lines)
     config = dataclasses.replace(config, origin=origin, base_dir=str(base_dir))
     validate(config, lines)
+    if "lanes" in lines:  # the one-lane names repeat the first lane for one-lane callers
+        first = config.lanes[0]
+        pin = PinConfig(first.version, first.sha256, first.index_url, first.source)
+        config = dataclasses.replace(config, pin=pin, series=first.series)
     return config
 
 
@@ -430,30 +476,80 @@ class _Where:
 def validate(config: Config, lines: dict[str, int]) -> None:
     """Refuse the first value that a later step would refuse, naming file:line:key."""
     at = _Where(config.origin, lines)
-    _check_pin(config.pin, at)
-    if config.series is not None:
-        at.check("series", text_problem(config.series))
+    if "lanes" in lines:
+        _check_lanes(config, at)
+    else:
+        _check_pin(config.pin, at)
+        if config.series is not None:
+            at.check("series", text_problem(config.series))
+        _check_series_file(config, config.lanes[0], "series" if config.series else "pin.version", at)
     for i, v in enumerate(config.check.versions):
         at.check(f"check.versions[{i}]", version_problem(v))
+        at.check(f"check.versions[{i}]", _below_every_lane(config, v))
     if config.check.fuzz < 0:
         at.fail("check.fuzz", f"must be 0 or more (context lines a hunk may ignore), not {config.check.fuzz}")
     at.check("output.dir", text_problem(config.output.dir))
     at.check("output.overlays", text_problem(config.output.overlays))
-    _check_targets(config.targets, at)
+    _check_targets(config.targets, config.lanes, at)
     _check_image(config.image, at)
     _check_jobs(config, at)
 
 
+def _check_lanes(config: Config, at: _Where) -> None:
+    for other in ("pin", "series"):
+        if other in at.lines:
+            at.fail(other, f"'{other}:' is the one-lane form; with 'lanes:' give each lane's version, sha256 and series there")
+    if "lanes[0]" not in at.lines:  # an empty list: __post_init__ already filled in the pin's lane
+        at.fail("lanes", "must list at least one lane (version, sha256, and optionally series and source)")
+    seen: set[str] = set()
+    for i, lane in enumerate(config.lanes):
+        key = f"lanes[{i}]"
+        at.check(f"{key}.version", version_problem(lane.version))
+        if lane.version in seen:
+            at.fail(f"{key}.version", f"lane versions must be unique: {lane.version!r} is already a lane")
+        seen.add(lane.version)
+        if lane.sha256 is not None:
+            at.check(f"{key}.sha256", sha256_problem(lane.sha256))
+        for name in ("series", "source"):
+            if getattr(lane, name) is not None:
+                at.check(f"{key}.{name}", text_problem(getattr(lane, name)))
+        if lane.index_url is not None:
+            at.check(f"{key}.index_url", url_problem(lane.index_url))
+        _check_series_file(config, lane, f"{key}.series" if lane.series else f"{key}.version", at)
+
+
+def _below_every_lane(config: Config, version: str) -> str | None:
+    from .series.lane import nearest_at_or_below
+
+    lanes = [lane.version for lane in config.lanes]
+    if nearest_at_or_below(lanes, version) is None:
+        return f"{version} is below every lane ({', '.join(lanes)}): no lane's series is written for it"
+    return None
+
+
+def _check_series_file(config: Config, lane: LaneConfig, key: str, at: _Where) -> None:
+    from .series.lane import shipped_lanes
+
+    path = config.series_path(lane)
+    if path is None:
+        shipped = ", ".join(shipped_lanes()) or "none"
+        where = "series" if key.startswith("pin") else key.replace("version", "series")
+        at.fail(key, f"no series is shipped for vLLM {lane.version} (shipped lanes: {shipped}); give {where!r}")
+    if not path.is_file():
+        at.fail(key, f"the series file {str(path)!r} does not exist")
+
+
 def _check_pin(pin: PinConfig, at: _Where) -> None:
     at.check("pin.version", version_problem(pin.version))
-    at.check("pin.sha256", sha256_problem(pin.sha256))
+    if pin.sha256 is not None:
+        at.check("pin.sha256", sha256_problem(pin.sha256))
     if pin.index_url is not None:
         at.check("pin.index_url", url_problem(pin.index_url))
     if pin.source is not None:
         at.check("pin.source", text_problem(pin.source))
 
 
-def _check_targets(targets: tuple[TargetConfig, ...], at: _Where) -> None:
+def _check_targets(targets: tuple[TargetConfig, ...], lanes: tuple[LaneConfig, ...], at: _Where) -> None:
     seen: set[str] = set()
     for i, t in enumerate(targets):
         key = f"targets[{i}]"
@@ -464,6 +560,9 @@ def _check_targets(targets: tuple[TargetConfig, ...], at: _Where) -> None:
         at.check(f"{key}.image", image_problem(t.image))
         if t.root is not None:
             at.check(f"{key}.root", absolute_problem(t.root))
+        if t.vllm is not None and t.vllm not in [lane.version for lane in lanes]:
+            names = ", ".join(lane.version for lane in lanes)
+            at.fail(f"{key}.vllm", f"target {t.name!r} names vLLM {t.vllm!r}, which is not a lane (lanes: {names})")
 
 
 def _check_image(image: ImageConfig, at: _Where) -> None:

@@ -1,28 +1,26 @@
-"""What every command starts from: the resolved config, the series, the pinned source."""
+"""What every command starts from: the resolved config, its lanes, their pinned sources."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from importlib import resources
 from pathlib import Path
 
-from .config import Config
+from .config import Config, LaneConfig
 from .errors import SeriesError
 from .progress import Progress
+from .series.lane import Lane, nearest_at_or_below
+from .series.lane import shipped_series as shipped_lane_series
 from .series.patch import Series, load_series
 from .source.pin import Pin, SourceTree, resolve_source
 
 
-def shipped_series() -> Path:
-    """The series shipped with the tool: packaged in a wheel, or patches/ of a checkout."""
-    packaged = resources.files("sm12x_bundle").joinpath("_patches/0.21.0/series")
-    if packaged.is_file():
-        return Path(str(packaged))
-    checkout = Path(__file__).resolve().parents[2] / "patches" / "0.21.0" / "series"
-    if checkout.is_file():
-        return checkout
-    raise SeriesError("no patch series found: give 'series:' in the config")
+def shipped_series(version: str = "0.21.0") -> Path:
+    """The series shipped with the tool for one lane (packaged in a wheel, or a checkout's)."""
+    path = shipped_lane_series(version)
+    if path is None:
+        raise SeriesError(f"no patch series is shipped for vLLM {version}: give the lane's series in the config")
+    return path
 
 
 @dataclass
@@ -30,36 +28,69 @@ class Context:
     config: Config
     progress: Progress = field(default_factory=Progress.stderr)
     cache_dir: Path | None = None
-    _sources: dict[str | None, SourceTree] = field(default_factory=dict, init=False, repr=False)
+    _sources: dict[str, SourceTree] = field(default_factory=dict, init=False, repr=False)
 
     @cached_property
+    def lanes(self) -> tuple[Lane, ...]:
+        """Every lane of the config, in its order; each series parsed (and refused if unsafe)."""
+        return tuple(self._lane(c) for c in self.config.lanes)
+
+    def _lane(self, lane: LaneConfig) -> Lane:
+        path = self.config.series_path(lane)
+        if path is None:
+            raise SeriesError(f"no patch series is shipped for vLLM {lane.version}: give the lane's series")
+        pin = Pin(lane.version, lane.sha256) if lane.sha256 else Pin.for_version(lane.version)
+        return Lane(lane.version, pin, load_series(path))
+
+    def lane(self, version: str) -> Lane | None:
+        """The lane pinned to exactly this release, if there is one."""
+        return next((lane for lane in self.lanes if lane.version == version), None)
+
+    def lane_for(self, version: str) -> Lane | None:
+        """The lane whose pin is nearest at or below ``version``; None below every lane."""
+        nearest = nearest_at_or_below([c.version for c in self.config.lanes], version)
+        return None if nearest is None else self.lane(nearest)
+
+    @property
+    def lane_versions(self) -> str:
+        """The lanes' versions for a sentence: '0.21.0, 0.33.0'."""
+        return ", ".join(c.version for c in self.config.lanes)
+
+    # The first lane, for callers that know one lane only.
+    @property
     def series(self) -> Series:
-        path = self.config.resolve(self.config.series) if self.config.series else shipped_series()
-        return load_series(path)
+        return self.lanes[0].series
 
     @property
     def pin(self) -> Pin:
-        pin = self.config.pin
-        return Pin(pin.version, pin.sha256) if pin.sha256 else Pin.for_version(pin.version)
+        return self.lanes[0].pin
 
     def source(self, version: str | None = None) -> SourceTree:
-        """The pinned tree, or (given ``version``) that release fetched the same way.
+        """A lane's pinned tree (None: the first lane's), or any other release fetched the
+        same way (from the index of the lane nearest below it).
 
         Verified (sdist hash, tree record) on the first call for a release in this run;
         later calls give the same tree without reading it again.
         """
-        key = None if version == self.config.pin.version else version
-        if key not in self._sources:
-            self._sources[key] = self._resolve(key)
-        return self._sources[key]
+        version = version or self.config.lanes[0].version
+        if version not in self._sources:
+            self._sources[version] = self._resolve(version)
+        return self._sources[version]
 
-    def _resolve(self, version: str | None) -> SourceTree:
-        pin = self.config.pin
-        if version is None or version == pin.version:
-            local = self.config.resolve(pin.source) if pin.source else None
+    def _resolve(self, version: str) -> SourceTree:
+        own = next((c for c in self.config.lanes if c.version == version), None)
+        if own is not None:
+            local = self.config.resolve(own.source) if own.source else None
+            pin = Pin(own.version, own.sha256) if own.sha256 else Pin.for_version(own.version)
             return resolve_source(
-                self.pin, index_url=pin.index_url, local=local, cache_dir=self.cache_dir, progress=self.progress
+                pin, index_url=own.index_url, local=local, cache_dir=self.cache_dir, progress=self.progress
             )
         return resolve_source(
-            Pin.for_version(version), index_url=pin.index_url, cache_dir=self.cache_dir, progress=self.progress
+            Pin.for_version(version), index_url=self._index_for(version), cache_dir=self.cache_dir,
+            progress=self.progress,
         )
+
+    def _index_for(self, version: str) -> str | None:
+        nearest = nearest_at_or_below([c.version for c in self.config.lanes], version)
+        lane = next((c for c in self.config.lanes if c.version == nearest), self.config.lanes[0])
+        return lane.index_url

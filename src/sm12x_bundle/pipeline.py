@@ -1,6 +1,6 @@
 """``build``: the whole pipeline for a config, planned first, then run step by step.
 
-pin -> check the series -> patched tree -> overlays (verified in the target images when
+each lane's pin -> check each lane's series -> one patched tree per lane -> overlays (verified in the target images when
 a Docker daemon answers) -> Nomad specs (when the config has jobs) -> bundle image (when
 asked). The plan is a list of steps computed from the config alone, so ``--dry-run``
 shows what would be built and where, without fetching or touching anything.
@@ -17,6 +17,7 @@ from . import fsutil
 from .checks.check import Outcome, VersionReport, check_tree
 from .context import Context
 from .errors import ApplyError
+from .series.lane import Lane
 from .source.pin import SourceTree
 
 
@@ -28,8 +29,8 @@ class Run:
     out: Path
     verify: bool | None
     force: bool = False
-    source: SourceTree | None = None
-    report: VersionReport | None = None
+    sources: dict[str, SourceTree] = field(default_factory=dict)  # by lane
+    reports: dict[str, VersionReport] = field(default_factory=dict)  # by lane
     summary: list[str] = field(default_factory=list)
 
 
@@ -38,45 +39,54 @@ class Step:
     name: str
     destination: str
     run: Callable[[Run], str]
+    details: tuple[str, ...] = ()  # what --dry-run prints under the step, one line each
 
 
 def _pin(run: Run) -> str:
-    run.source = run.ctx.source()
-    src = run.source
-    return f"vLLM {src.version} from {src.origin}" + (f", sha256 {src.sha256} verified" if src.sha256 else "")
+    said = []
+    for lane in run.ctx.lanes:
+        src = run.sources[lane.version] = run.ctx.source(lane.version)
+        said.append(f"vLLM {src.version} from {src.origin}" + (f", sha256 {src.sha256} verified" if src.sha256 else ""))
+    return "; ".join(said)
 
 
 def _check(run: Run) -> str:
-    assert run.source is not None
-    run.report = check_tree(run.ctx.series, run.source, run.ctx.config.check.fuzz)
-    bad = [r for r in run.report.results if r.outcome is not Outcome.APPLIES]
-    if bad:
-        raise ApplyError(
-            "the series does not apply cleanly to the pin: "
-            + "; ".join(f"{r.patch}: {r.summary()}" for r in bad)
-            + " (run 'sm12x-bundle check' for details)"
-        )
-    return f"{len(run.report.results)} patches apply at fuzz {run.ctx.config.check.fuzz}, series sha256 {run.ctx.series.sha256[:16]}"
+    fuzz = run.ctx.config.check.fuzz
+    for lane in run.ctx.lanes:
+        report = run.reports[lane.version] = check_tree(lane.series, run.sources[lane.version], fuzz)
+        bad = [r for r in report.results if r.outcome is not Outcome.APPLIES]
+        if bad:
+            raise ApplyError(
+                f"lane {lane.version}: the series does not apply cleanly to its pin: "
+                + "; ".join(f"{r.patch}: {r.summary()}" for r in bad)
+                + " (run 'sm12x-bundle check' for details)"
+            )
+    return "; ".join(
+        f"lane {lane.version}: {len(lane.series.patches)} patches apply at fuzz {fuzz}, series sha256 {lane.series.sha256[:16]}"
+        for lane in run.ctx.lanes
+    )
 
 
 def tree_folder(out: Path, version: str) -> Path:
     return out / f"vllm-{version}-sm12x"
 
 
-def _tree(run: Run) -> str:
-    from .outputs.tree import write_tree
+def _tree(lane: Lane) -> Callable[[Run], str]:
+    def write(run: Run) -> str:
+        from .outputs.tree import write_tree
 
-    assert run.source is not None
-    dest = tree_folder(run.out, run.source.version)
-    write_tree(run.ctx.series, run.source, dest, run.ctx.config.check.fuzz, run.force)
-    return f"patched tree in {dest} ({len(run.ctx.series.paths)} files changed or added)"
+        dest = tree_folder(run.out, lane.version)
+        write_tree(lane.series, run.sources[lane.version], dest, run.ctx.config.check.fuzz, run.force)
+        return f"patched tree in {dest} ({len(lane.series.paths)} files changed or added)"
+
+    return write
 
 
 def _overlays(run: Run) -> str:
     from .outputs import overlay
 
     written = overlay.make_and_write(run.ctx, verify=run.verify, force=run.force)
-    lines = [f"{ov.target}: {folder} ({len(ov.files)} files)" for ov, folder in written]
+    lines = [f"{ov.target}: {folder} ({len(ov.files)} files, lane {ov.pin['version']})" for ov, folder in written]
     checked = "verified in the target images" if any(ov.image_id for ov, _ in written) else (
         "from the pinned tree (no Docker daemon: not verified in an image)"
     )
@@ -105,16 +115,15 @@ def _image(run: Run) -> str:
 
 
 def plan(ctx: Context, build_image: bool = False) -> list[Step]:
-    """The steps ``build`` will run for this config, in order (pure: reads nothing)."""
+    """The steps ``build`` will run for this config, in order (reads only the series files)."""
     config = ctx.config
     out = config.output.dir
-    steps = [
-        Step("pin", "the cache", _pin),
-        Step("check", "-", _check),
-        Step("tree", str(tree_folder(Path(out), config.pin.version)), _tree),
-    ]
+    steps = [Step("pin", "the cache", _pin), Step("check", "-", _check)]
+    steps += [Step("tree", str(tree_folder(Path(out), lane.version)), _tree(lane)) for lane in ctx.lanes]
     if config.targets:
-        steps.append(Step("overlays", f"{config.output.overlays}/", _overlays))
+        from .outputs.overlay import planned_overlays
+
+        steps.append(Step("overlays", f"{config.output.overlays}/", _overlays, tuple(planned_overlays(config))))
     if config.jobs:
         steps.append(Step("nomad", f"{out}/nomad/", _nomad))
     if build_image or config.image.build:
@@ -130,7 +139,8 @@ def check_outputs(ctx: Context, steps: list[Step], force: bool = False) -> Path:
     config, names = ctx.config, {s.name for s in steps}
     out = fsutil.refuse_protected(config.output.dir, "output.dir folder")
     if "tree" in names:
-        fsutil.check_replaceable(tree_folder(out, config.pin.version), force)
+        for lane in config.lanes:
+            fsutil.check_replaceable(tree_folder(out, lane.version), force)
     if "overlays" in names:
         overlay.check_targets_output(overlay.overlays_root(ctx, None), config.targets, force)
     if "nomad" in names:
@@ -147,6 +157,7 @@ def cmd_build(ctx: Context, args: argparse.Namespace) -> int:
     if args.dry_run:
         for n, step in enumerate(steps, 1):
             print(f"{n}. {step.name:<9} -> {step.destination}")
+            print("".join(f"     {line}\n" for line in step.details), end="")
         return 0
     verify = False if args.no_verify else None
     run = Run(ctx, check_outputs(ctx, steps, args.force), verify, args.force)

@@ -6,6 +6,11 @@ For each patch, in series order, on the tree as the earlier patches left it:
 3. it applies (fuzz 0 default)   -> applies (noting any offsets);
 4. otherwise                     -> conflict (file, hunk, and the lines that differ).
 Only patches that apply change the tree the next patch sees.
+
+A lane is checked the same way, and then every fix the shipped layout knows that the lane
+does not carry is looked for in the pristine tree: another lane's patch for it reverse-applies,
+or its probes match -> not carried, landed upstream (the lane rightly dropped it); neither
+-> not carried, missing (the lane's users lack a fix upstream has not made).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from dataclasses import dataclass, field
 
 from ..errors import BundleError
 from ..series.apply import HunkFailure, HunkResult, VirtualTree, apply_file_patch
+from ..series.lane import Fix, Lane
 from ..series.patch import Patch, Series
 from ..series.probes import probe_matches
 from ..source.pin import SourceTree
@@ -24,6 +30,7 @@ class Outcome(str, enum.Enum):
     APPLIES = "applies"
     LANDED = "landed upstream"
     CONFLICT = "conflict"
+    NOT_CARRIED = "not carried"
 
 
 @dataclass(frozen=True)
@@ -42,7 +49,16 @@ class PatchResult:
     landed_by: str | None = None  # "reverse-apply" | "probe"
     conflict: Conflict | None = None
 
+    @property
+    def missing(self) -> bool:
+        """A fix the lane does not carry and upstream has not made."""
+        return self.outcome is Outcome.NOT_CARRIED and self.landed_by is None
+
     def summary(self) -> str:
+        if self.outcome is Outcome.NOT_CARRIED:
+            if self.missing:
+                return "not carried, and not landed upstream: this lane lacks the fix"
+            return f"not carried: landed upstream ({self.landed_by})"
         if self.outcome is Outcome.APPLIES:
             if not self.offsets:
                 return "applies"
@@ -70,28 +86,36 @@ class VersionReport:
     error: str | None = None
     error_code: int = 0
     tree: VirtualTree | None = field(default=None, repr=False)
+    lane: str | None = None  # the lane whose series was checked; None: a bare series
 
     @property
     def worst(self) -> str:
         if self.error:
             return "could not run"
         outcomes = {r.outcome for r in self.results}
-        for o in (Outcome.CONFLICT, Outcome.LANDED):
-            if o in outcomes:
-                return o.value
+        if Outcome.CONFLICT in outcomes:
+            return Outcome.CONFLICT.value
+        if any(r.missing for r in self.results):
+            return MISSING
+        if Outcome.LANDED in outcomes:
+            return Outcome.LANDED.value
         return Outcome.APPLIES.value
 
 
 EXIT_APPLIES, EXIT_LANDED, EXIT_CONFLICT = 0, 10, 20
+MISSING = "missing a fix"
 
 
 def exit_code(reports: list[VersionReport]) -> int:
-    """Worst first: could not run (that error's code) > conflict > landed > applies."""
+    """Worst first: could not run (that error's code) > conflict or a missing fix > landed > applies.
+
+    A fix the lane does not carry because it landed upstream is not 'landed' here: the lane
+    already dropped it."""
     for r in reports:
         if r.error:
             return r.error_code or BundleError.exit_code
     worst = {r.worst for r in reports}
-    if Outcome.CONFLICT.value in worst:
+    if Outcome.CONFLICT.value in worst or MISSING in worst:
         return EXIT_CONFLICT
     if Outcome.LANDED.value in worst:
         return EXIT_LANDED
@@ -126,6 +150,32 @@ def classify(tree: VirtualTree, patch: Patch, fuzz: int = 0) -> PatchResult:
         return PatchResult(patch.id, Outcome.CONFLICT, conflict=conflict)
     offsets = tuple((path, r.index, r.offset) for path, r in applied if r.offset)
     return PatchResult(patch.id, Outcome.APPLIES, offsets=offsets)
+
+
+def landed_by(tree: VirtualTree, fix: Fix) -> str | None:
+    """How ``tree`` shows a fix it was not patched with: "reverse-apply" (some lane's patch
+    for it reverse-applies), "probe" (every probe of the fix matches), or None."""
+    for patch in fix.patches:
+        try:
+            _try_apply(VirtualTree(tree.root, dict(tree.edits)), patch, 0, reverse=True)
+            return "reverse-apply"
+        except HunkFailure:
+            pass
+    if fix.probes and all(probe_matches(tree, p) for p in fix.probes):
+        return "probe"
+    return None
+
+
+def check_lane(lane: Lane, source: SourceTree, fixes: dict[str, Fix], fuzz: int = 0) -> VersionReport:
+    """The lane's series on ``source`` (see check_tree), then one row for each of ``fixes``
+    the lane does not carry, looked for in the pristine tree."""
+    report = check_tree(lane.series, source, fuzz)
+    report.lane = lane.version
+    pristine = VirtualTree(source.root)
+    for fix in fixes.values():
+        if fix.id not in lane.series.ids:
+            report.results.append(PatchResult(fix.id, Outcome.NOT_CARRIED, landed_by=landed_by(pristine, fix)))
+    return report
 
 
 def check_tree(series: Series, source: SourceTree, fuzz: int = 0) -> VersionReport:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import xml.etree.ElementTree as ET
 
-from ..series.patch import Series
+from collections.abc import Sequence
+
+from ..series.lane import Lane
+from ..series.patch import Patch
 from .check import Outcome, VersionReport
 
 
@@ -13,40 +16,54 @@ def _status(value: str) -> str:
     return "not merged" if value.strip().lower() == "no" else f"landed in {value}"
 
 
-def series_table(series: Series) -> str:
-    lines = [f"series {series.file} (sha256 {series.sha256[:16]})"]
-    for n, p in enumerate(series.patches, 1):
-        lines.append(f"{n}. {p.id} [{p.kind}] {p.subject}")
-        lines.append(f"   upstream: {p.origin} ({_status(p.headers['Applied-Upstream'])})")
-        lines.append(f"   files: {', '.join(p.paths)}" + (f"; rebuilds {p.builds}" if p.builds else ""))
+def series_table(lanes: Sequence[Lane]) -> str:
+    lines = []
+    for lane in lanes:
+        series = lane.series
+        lines.append(f"lane {lane.version}: series {series.file} (sha256 {series.sha256[:16]})")
+        for n, p in enumerate(series.patches, 1):
+            lines.append(f"{n}. {p.id} [{p.kind}] {p.subject}")
+            lines.append(f"   upstream: {p.origin} ({_status(p.headers['Applied-Upstream'])})")
+            lines.append(f"   files: {', '.join(p.paths)}" + (f"; rebuilds {p.builds}" if p.builds else ""))
     return "\n".join(lines) + "\n"
 
 
-def series_markdown(series: Series) -> str:
-    """The README's patch table: generated from the patch headers, the one place they live."""
-    rows = ["| # | patch | kind | upstream | status |", "|---|---|---|---|---|"]
-    for n, p in enumerate(series.patches, 1):
+def series_markdown(lanes: Sequence[Lane]) -> str:
+    """The README's patch table, one row per fix and one column per lane: generated from the
+    patch headers, the one place they live. A lane's cell is the patch's number in its series;
+    "-" where the lane does not carry the fix (``check`` says why)."""
+    first: dict[str, Patch] = {}
+    numbers: dict[tuple[str, str], int] = {}
+    for lane in lanes:
+        for n, p in enumerate(lane.series.patches, 1):
+            first.setdefault(p.id, p)
+            numbers[(lane.version, p.id)] = n
+    versions = [lane.version for lane in lanes]
+    rows = ["| patch | kind | upstream | status | " + " | ".join(versions) + " |",
+            "|---|---|---|---|" + "---|" * len(versions)]
+    for fix, p in first.items():
         pr = p.origin.rstrip("/").rsplit("/", 1)[-1]
-        rows.append(
-            f"| {n} | `{p.id}`: {p.subject} | {p.kind} | [#{pr}]({p.origin}) | {_status(p.headers['Applied-Upstream'])} |"
-        )
+        cells = [f"{numbers[(v, fix)]:04d}" if (v, fix) in numbers else "-" for v in versions]
+        rows.append(f"| `{fix}`: {p.subject} | {p.kind} | [#{pr}]({p.origin}) | "
+                    f"{_status(p.headers['Applied-Upstream'])} | " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n"
 
 
 def table(reports: list[VersionReport]) -> str:
-    rows = [("vLLM", "patch", "result")]
+    rows = [("lane", "vLLM", "patch", "result")]
     details: list[str] = []
     for r in reports:
+        lane = r.lane or "-"
         if r.error:
-            rows.append((r.version, "-", f"could not run: {r.error}"))
+            rows.append((lane, r.version, "-", f"could not run: {r.error}"))
             continue
         for res in r.results:
-            rows.append((r.version, res.patch, res.summary()))
+            rows.append((lane, r.version, res.patch, res.summary()))
             if res.conflict:
-                details.append(f"vLLM {r.version}, {res.patch}: {res.summary()}")
+                details.append(f"lane {lane}, vLLM {r.version}, {res.patch}: {res.summary()}")
                 details.extend("    " + line for line in res.conflict.differs)
-    widths = [max(len(row[i]) for row in rows) for i in range(2)]
-    lines = [f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c}" for a, b, c in rows]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines = [f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c:<{widths[2]}}  {d}" for a, b, c, d in rows]
     lines.insert(1, "-" * min(100, max(len(x) for x in lines)))
     if details:
         lines += ["", "Conflicts:"] + details
@@ -56,12 +73,13 @@ def table(reports: list[VersionReport]) -> str:
 def to_json(reports: list[VersionReport]) -> str:
     out = []
     for r in reports:
-        entry = {"version": r.version, "source": r.origin, "sha256": r.sha256, "result": r.worst}
+        entry = {"lane": r.lane, "version": r.version, "source": r.origin, "sha256": r.sha256, "result": r.worst}
         if r.error:
             entry["error"] = r.error
         entry["patches"] = [
             {
                 "patch": res.patch,
+                "carried": res.outcome is not Outcome.NOT_CARRIED,
                 "outcome": res.outcome.value,
                 "offsets": [{"path": p, "hunk": h, "offset": o} for p, h, o in res.offsets],
                 "landed_by": res.landed_by,
@@ -81,29 +99,35 @@ def to_json(reports: list[VersionReport]) -> str:
 
 
 def to_junit(reports: list[VersionReport]) -> str:
-    """One testsuite per vLLM version, one testcase per patch.
+    """One testsuite per (lane, vLLM version), named ``lane-<lane>.vllm-<version>``, one
+    testcase per patch.
 
-    A conflict is a failure; a landed patch is 'skipped' with the reason, so CI shows
-    it without failing the build; a version that could not run is an error.
+    A conflict, or a fix the lane lacks, is a failure; a landed patch, carried or not, is
+    'skipped' with the reason, so CI shows it without failing the build; a version that
+    could not run is an error.
     """
     suites = ET.Element("testsuites", name="sm12x-bundle check")
     for r in reports:
-        suite = ET.SubElement(suites, "testsuite", name=f"vllm-{r.version}")
+        name = (f"lane-{r.lane}." if r.lane else "") + f"vllm-{r.version}"
+        suite = ET.SubElement(suites, "testsuite", name=name)
         counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
         if r.error:
-            case = ET.SubElement(suite, "testcase", classname=f"vllm-{r.version}", name="fetch")
+            case = ET.SubElement(suite, "testcase", classname=name, name="fetch")
             ET.SubElement(case, "error", message=r.error)
             counts["tests"] += 1
             counts["errors"] += 1
         for res in r.results:
-            case = ET.SubElement(suite, "testcase", classname=f"vllm-{r.version}", name=res.patch)
+            case = ET.SubElement(suite, "testcase", classname=name, name=res.patch)
             counts["tests"] += 1
-            if res.outcome is Outcome.CONFLICT:
+            if res.missing:
+                ET.SubElement(case, "failure", message=res.summary())
+                counts["failures"] += 1
+            elif res.outcome is Outcome.CONFLICT:
                 assert res.conflict is not None
                 failure = ET.SubElement(case, "failure", message=res.summary())
                 failure.text = "\n".join(res.conflict.differs)
                 counts["failures"] += 1
-            elif res.outcome is Outcome.LANDED:
+            elif res.outcome in (Outcome.LANDED, Outcome.NOT_CARRIED):
                 ET.SubElement(case, "skipped", message=res.summary())
                 counts["skipped"] += 1
         for key, value in counts.items():

@@ -186,6 +186,11 @@ def _headers(message: list[str], where: str) -> dict[str, str]:
     return headers
 
 
+def parse_probes(specs: str, where: str) -> tuple[Probe, ...]:
+    """Sm12x-Probe values, one a line (a patch's header, or a fix's ``upstream`` file)."""
+    return _probes({"Sm12x-Probe": specs}, where)
+
+
 def _probes(headers: dict[str, str], where: str) -> tuple[Probe, ...]:
     out = []
     for spec in filter(None, headers.get("Sm12x-Probe", "").split("\n")):
@@ -300,7 +305,7 @@ def _hunks(lines: list[str], i: int, file: Path):
 
 
 def load_series(series_file: Path) -> Series:
-    """Read ``patches/series`` and every patch it names, in order."""
+    """Read a series file and every patch it names, in order (none is allowed)."""
     try:
         entries = series_file.read_text("utf-8").splitlines()
     except OSError as exc:
@@ -321,8 +326,7 @@ def load_series(series_file: Path) -> Series:
         except UnicodeDecodeError as exc:
             raise SeriesError(f"{series_file}:{n}: {name} is not UTF-8 text (byte {exc.start})") from None
         patches.append(parse_patch(text, path))
-    if not patches:
-        raise SeriesError(f"{series_file}: the series is empty")
+    # No patches is a lane that carries nothing (every fix landed, or none written yet).
     ids = [p.id for p in patches]
     if len(set(ids)) != len(ids):
         raise SeriesError(f"{series_file}: two patches share an id")

@@ -1,12 +1,18 @@
-"""New files kept as source beside their patch, and the patch sections derived from them.
+"""What a fix keeps once, for every lane, and the parts of each lane's patch derived from it.
 
-A patch ``NNNN-name.patch`` may have a folder ``NNNN-name/`` beside it. Every file under
-that folder is a file the patch adds, at the same path relative to the folder; the patch
-carries it as a ``new file`` section in the form ``git format-patch`` writes. The folder is
-the source: ``regenerate`` rewrites those sections from it and leaves every other section
-(the hunks into upstream files), the mail headers and the order as they are, so the series
-stays a plain quilt / ``git am`` series. ``bin/refresh-patch-sources`` runs it;
-``tests/test_patch_sources.py`` fails while a patch and its folder differ.
+A lane's patch ``patches/<version>/NNNN-<fix>.patch`` draws on ``patches/fixes/<fix>/``:
+
+- ``new/``: every file under it is a file the fix adds, at the same path relative to the
+  folder; the patch carries it as a ``new file`` section in the form ``git format-patch``
+  writes. ``regenerate`` rewrites those sections from it and leaves every other section
+  (the hunks into upstream files) and the order as they are.
+- ``upstream``: the fix's upstream metadata, the DEP-3 lines Origin, Bug, Forwarded,
+  Applied-Upstream and the Sm12x-Probe lines. ``with_upstream`` writes them into the
+  patch's header (after Description; the probes last) and leaves Description, Last-Update,
+  Sm12x-Kind and Sm12x-Builds, which say what that lane's patch changes, as they are.
+
+The series stays a plain quilt / ``git am`` series. ``bin/refresh-patch-sources`` runs both;
+``tests/test_patch_sources.py`` fails while a patch and its fix's folder or file differ.
 """
 
 from __future__ import annotations
@@ -33,13 +39,18 @@ def fix_id(patch: Path) -> str:
     return re.sub(r"^\d+-", "", patch.name.removesuffix(".patch"))
 
 
+def fix_folder(patch: Path) -> Path:
+    """``patches/fixes/<fix>/`` of a lane's patch ``patches/<version>/NNNN-<fix>.patch``."""
+    return patch.parent.parent / "fixes" / fix_id(patch)
+
+
 def source_folder(patch: Path) -> Path | None:
     """The folder of new files the fix of ``patch`` adds, kept as source, if it has one.
 
     A lane's patch lives in ``patches/<version>/``; the files it adds live once, in
     ``patches/fixes/<fix>/new/``, shared by every lane that carries the fix.
     """
-    folder = patch.parent.parent / "fixes" / fix_id(patch) / "new"
+    folder = fix_folder(patch) / "new"
     return folder if folder.is_dir() else None
 
 
@@ -120,16 +131,83 @@ def regenerate(patch_text: str, files: dict[str, bytes]) -> str:
     return mail.render()
 
 
+# --- upstream metadata ---------------------------------------------------------
+
+UPSTREAM_KEYS = ("Origin", "Bug", "Forwarded", "Applied-Upstream", "Sm12x-Probe")
+_FIELD = re.compile(r"([A-Z][A-Za-z0-9-]*):")
+
+
+def upstream_file(patch: Path) -> Path:
+    """``patches/fixes/<fix>/upstream``: the fix's upstream metadata, kept once."""
+    return fix_folder(patch) / "upstream"
+
+
+def _fields(lines: list[str], where: str) -> list[tuple[str, list[str]]]:
+    """DEP-3 fields: (key, the field's lines with its continuation lines)."""
+    fields: list[tuple[str, list[str]]] = []
+    for n, line in enumerate(lines, 1):
+        key = _FIELD.match(line)
+        if key:
+            fields.append((key.group(1), [line]))
+        elif line.startswith(" ") and fields:
+            fields[-1][1].append(line)
+        else:
+            raise SeriesError(f"{where}:{n}: expected a 'Key: value' line or a continuation line, not {line!r}")
+    return fields
+
+
+def read_upstream(path: Path) -> list[tuple[str, list[str]]]:
+    """The fields of a fix's ``upstream`` file: only the upstream keys, Origin and Forwarded required."""
+    try:
+        text = path.read_bytes().decode()
+    except OSError as exc:
+        raise SeriesError(f"cannot read {path}: {exc.strerror}") from None
+    fields = _fields(_lines(text), str(path))
+    keys = [k for k, _ in fields]
+    stray = [k for k in keys if k not in UPSTREAM_KEYS]
+    if stray:
+        raise SeriesError(f"{path}: {stray[0]} is not upstream metadata (only {', '.join(UPSTREAM_KEYS)})")
+    missing = [k for k in ("Origin", "Forwarded", "Applied-Upstream") if k not in keys]
+    if missing:
+        raise SeriesError(f"{path}: missing {', '.join(missing)}")
+    return fields
+
+
+def with_upstream(patch_text: str, upstream: list[tuple[str, list[str]]], where: str = "patch") -> str:
+    """``patch_text`` with its upstream header lines replaced by ``upstream``'s.
+
+    The header block runs from the line after the mail's first blank line to ``---``. The
+    upstream fields other than the probes go right after Description, the probes last."""
+    lines = _lines(patch_text)
+    start = lines.index("\n") + 1
+    end = lines.index("---\n", start)
+    kept = [(k, v) for k, v in _fields(lines[start:end], where) if k not in UPSTREAM_KEYS]
+    probes = [(k, v) for k, v in upstream if k == "Sm12x-Probe"]
+    others = [(k, v) for k, v in upstream if k != "Sm12x-Probe"]
+    after = next((i + 1 for i, (k, _) in enumerate(kept) if k == "Description"), 0)
+    block = kept[:after] + others + kept[after:] + probes
+    return "".join(lines[:start] + [line for _, v in block for line in v] + lines[end:])
+
+
+def _with_fix(patch: Path, text: str) -> str:
+    """``text`` with every part the patch draws from ``patches/fixes/<fix>/`` rewritten."""
+    folder = source_folder(patch)
+    if folder is not None:
+        text = regenerate(text, source_files(folder))
+    upstream = upstream_file(patch)
+    if upstream.is_file():
+        text = with_upstream(text, read_upstream(upstream), str(patch))
+    return text
+
+
 def refresh(patch: Path, check: bool = False) -> bool:
-    """Bring ``patch`` in step with its source folder; True when it already was.
+    """Bring ``patch`` in step with its fix's ``new/`` folder and ``upstream`` file; True
+    when it already was.
 
     With ``check``, only compare. The patch is rewritten only when its bytes change.
     """
-    folder = source_folder(patch)
-    if folder is None:
-        return True
     text = patch.read_bytes().decode()
-    new = regenerate(text, source_files(folder))
+    new = _with_fix(patch, text)
     if new == text:
         return True
     if not check:
