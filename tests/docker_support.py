@@ -20,8 +20,9 @@ sm12x cache, so later runs reuse them):
 - vLLM stand-ins: the base plus the real ``vllm/`` package of an sdist fetched and
   verified by the tool itself, at the official install root (with a .pth so the
   image's python3 finds it, and dist-info metadata as pip leaves it), at
-  /opt/vllm/vllm (nothing on sys.path: found by searching), or another release at the
-  official root (version skew). The bare base is the image without vLLM. The
+  /opt/vllm/vllm (nothing on sys.path: found by searching), the second lane's release
+  (0.33.0) at the official root, or a release no lane is for (0.26.0) at the official
+  root. The bare base is the image without vLLM. The
   official-root stand-ins carry bytecode of vllm/device_allocator/, so the bundle's
   stale-bytecode step is exercised. Every vLLM stand-in replaces the empty driver stub
   with one that, like NVIDIA's, defines every driver API function cuda.h declares:
@@ -282,10 +283,17 @@ def standin_opt(daemon, standin_base, pinned_source) -> StandIn:
     return ensure_vllm_standin(daemon, standin_base, pinned_source, "opt")
 
 
-SKEW_VERSION = "0.26.0"
+SKEW_VERSION = "0.26.0"  # a release between the lanes: no lane is for it
+LANE2_VERSION = "0.33.0"
 
 
 @pytest.fixture(scope="session")
 def standin_skew(daemon, standin_base, default_context) -> StandIn:
-    """Another release (0.26.0) at the official root: version skew for the pinned series."""
+    """Another release (0.26.0) at the official root: no lane is for it."""
     return ensure_vllm_standin(daemon, standin_base, default_context.source(SKEW_VERSION), "official")
+
+
+@pytest.fixture(scope="session")
+def standin_lane2(daemon, standin_base, default_context) -> StandIn:
+    """The second lane's release (0.33.0) at the official root, as its official image has it."""
+    return ensure_vllm_standin(daemon, standin_base, default_context.source(LANE2_VERSION), "official")

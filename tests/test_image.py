@@ -19,6 +19,7 @@ import pytest
 from docker_support import (  # noqa: F401  (fixtures)
     daemon,
     standin_base,
+    standin_lane2,
     standin_novllm,
     standin_official,
     standin_opt,
@@ -28,11 +29,22 @@ from patchkit import make_patch, write_series
 
 from sm12x_bundle import config as config_mod
 from sm12x_bundle.cli import main
+from sm12x_bundle.config import TargetConfig
 from sm12x_bundle.context import Context
-from sm12x_bundle.engine import OFFICIAL_VLLM_ROOT
-from sm12x_bundle.errors import CommandError, ConfigError, EngineError, SeriesError, VerifyError
-from sm12x_bundle.outputs import dockerfile, image, manifest, native_build
+from sm12x_bundle.engine import OFFICIAL_VLLM_ROOT, ImageFile
+from sm12x_bundle.errors import (
+    ApplyError,
+    CommandError,
+    ConfigError,
+    EngineError,
+    SeriesError,
+    VerifyError,
+)
+from sm12x_bundle.outputs import dockerfile, image, manifest, native_build, verify
 from sm12x_bundle.outputs.tree import patched_files
+from sm12x_bundle.plan import files as plan_files
+from sm12x_bundle.plan import originals as plan_originals
+from sm12x_bundle.plan import target as plan_target
 from sm12x_bundle.progress import Progress
 from sm12x_bundle.series.patch import load_series
 
@@ -97,21 +109,36 @@ def ctx(tmp_path, tree, series_file) -> Context:
         f"pin:\n  version: '0.21.0'\n  source: {tree}\nseries: {series_file}\n"
         "image:\n  base: example/vllm-openai:v0.21.0\n  tag: example/bundle:test\n"
     )
-    return Context(config_mod.parse(text, "test.yaml", tmp_path), Progress.quiet())
+    # A cache of its own: the fake images reuse ids for other content.
+    return Context(config_mod.parse(text, "test.yaml", tmp_path), Progress.quiet(), tmp_path / "cache")
 
 
 def fake_base(ctx: Context, **changes) -> image.BaseImage:
-    source = ctx.source()
-    paths = sorted(manifest.installed_paths(ctx.series))
-    base = image.pinned_base(ctx.config.image, source, paths)
-    fields = {"ref": BASE_ID, "digest": BASE_DIGEST, "import_error": "ModuleNotFoundError: torch", "bytecode": {}}
-    return dataclasses.replace(base, **{**fields, **changes})
+    return dataclasses.replace(image.BaseImage(ctx.config.image.base, BASE_ID, BASE_DIGEST), **changes)
 
 
-def make_plan(ctx: Context, env=EPOCH, **base_changes) -> image.BundlePlan:
-    source = ctx.source()
-    _, changes = patched_files(ctx.series, source)
-    return image.plan_bundle(ctx.config.image, ctx.series, source, changes, fake_base(ctx, **base_changes), env)
+def fake_target(ctx: Context, pre_images=None, **side_changes) -> plan_target.TargetPlan:
+    """The base planned as a target, its files the pinned tree's (``pre_images`` replaces some)."""
+    cfg = ctx.config.image
+    t = TargetConfig(name=cfg.tag, image=cfg.base, root=OFFICIAL_VLLM_ROOT, pinned=True)
+    side = plan_originals.pinned_side(t, ctx.source())
+    tree_read = side.read
+
+    def read(paths):
+        got = tree_read(paths)
+        for path, data in (pre_images or {}).items():
+            if path in got:
+                got[path] = None if data is None else ImageFile(data, 0o644)
+        return got
+
+    fields = {"image_id": BASE_ID, "import_error": "ModuleNotFoundError: torch", "bytecode": {}, "read": read}
+    side = dataclasses.replace(side, **{**fields, **side_changes})
+    return plan_target.plan_lane(t, ctx.lanes[0], side, ctx.source, BASE_ID)
+
+
+def make_plan(ctx: Context, env=EPOCH, labels=None, **side_changes) -> image.BundlePlan:
+    base = fake_base(ctx, labels=labels or {})
+    return image.plan_bundle(ctx.config.image, fake_target(ctx, **side_changes), ctx.source(), base, env)
 
 
 # --- a fake engine ---------------------------------------------------------------------
@@ -182,9 +209,10 @@ class FakeEngine:
             files = {p: _b64(img.files.get(root + p[4:])) if root else None for p in wanted}
             answer = {"root": root or "", "found": [], "versions": {"vllm": "0.21.0"},
                       "import_error": "ModuleNotFoundError: No module named 'torch'",
-                      "files": files, "bytecode": {p: [] for p in wanted}}
+                      "files": files, "bytecode": {p: [] for p in wanted},
+                      "modes": {p: 0o644 for p, data in files.items() if data is not None}}
             return 0, "SM12X-PROBE " + json.dumps(answer) + "\n"
-        assert argv[2] == manifest.VERIFY_SCRIPT
+        assert argv[2] == verify.VERIFY_SCRIPT
         listed = json.loads(img.files[image.DOC_DIR + "/manifest.json"])
         counts = {"checked": len(listed["files"]), "compiled": 1, "imported": []}
         lines = [f"sm12x-verify fail {problem}" for problem in img.problems]
@@ -239,7 +267,7 @@ def engine(tree) -> FakeEngine:
 
 
 def test_image_paths_map_patches_to_installed_files(ctx):
-    assert manifest.installed_paths(ctx.series) == {
+    assert plan_files.installed_paths(ctx.series) == {
         "vllm/cumem_allocator.abi3.so": ("native-fix",),
         "vllm/device_allocator/cumem.py": ("cumem-fix",),
     }
@@ -249,19 +277,19 @@ def test_a_native_patch_must_build_the_cumem_extension(tmp_path):
     bad = make_patch({"csrc/x.cpp": ("a\n", "b\n")}, "x", Sm12x_Kind="native", Sm12x_Builds="vllm/other.so")
     series = load_series(write_series(tmp_path / "p", {"0001-x.patch": bad}))
     with pytest.raises(SeriesError, match="only vllm/cumem_allocator.abi3.so"):
-        manifest.installed_paths(series)
+        plan_files.installed_paths(series)
 
 
 def test_the_shipped_series_maps_into_the_image(series):
-    paths = manifest.installed_paths(series)
+    paths = plan_files.installed_paths(series)
     assert paths["vllm/device_allocator/cumem.py"][0] == "cumem-stream-aware-free"
     assert paths["vllm/cumem_allocator.abi3.so"] == ("cumem-error-code-reset",)
     assert all(p.startswith("vllm/") for p in paths)
 
 
 def test_container_path():
-    assert manifest.container_path("/opt/vllm/vllm", "vllm/a/b.py") == "/opt/vllm/vllm/a/b.py"
-    assert manifest.container_path("/opt/vllm/vllm/", "vllm/x.so") == "/opt/vllm/vllm/x.so"
+    assert plan_files.container_path("/opt/vllm/vllm", "vllm/a/b.py") == "/opt/vllm/vllm/a/b.py"
+    assert plan_files.container_path("/opt/vllm/vllm/", "vllm/x.so") == "/opt/vllm/vllm/x.so"
 
 
 def test_plan_holds_patched_bytes_pre_images_and_builder_inputs(ctx):
@@ -330,18 +358,18 @@ def test_same_inputs_same_plan_context_and_labels(ctx):
 
 def test_skew_is_refused_naming_the_file(ctx):
     source = ctx.source()
-    paths = sorted(manifest.installed_paths(ctx.series))
-    image.check_skew(fake_base(ctx), source, paths)
-    other = fake_base(ctx, pre_images={"vllm/device_allocator/cumem.py": b"0.26.0's cumem.py\n"},
-                      versions={"vllm": "0.26.0"})
+    image.check_skew(fake_target(ctx), source)
+    # another release whose cumem.py still takes the patch
+    other = fake_target(ctx, {"vllm/device_allocator/cumem.py": (CUMEM_OLD + "# 0.26.0\n").encode()},
+                        versions={"vllm": "0.26.0"})
     with pytest.raises(VerifyError) as err:
-        image.check_skew(other, source, paths)
+        image.check_skew(other, source)
     msg = str(err.value)
     assert "version skew" in msg and "it says vLLM 0.26.0" in msg
     assert OFFICIAL_VLLM_ROOT + "/device_allocator/cumem.py" in msg
-    missing = fake_base(ctx, pre_images={"vllm/device_allocator/cumem.py": None})
+    missing = dataclasses.replace(other, files=tuple(dataclasses.replace(f, pre_image_sha256=None) for f in other.files))
     with pytest.raises(VerifyError, match="absent in the image"):
-        image.check_skew(missing, source, paths)
+        image.check_skew(missing, source)
 
 
 # --- rendering ---------------------------------------------------------------------------
@@ -383,9 +411,7 @@ def test_no_bytecode_step_when_the_base_has_none(ctx):
 def test_label_values_survive_dockerfile_quoting(ctx):
     nasty = 'a "quoted" $HOME \\ ${X} value'
     cfg = dataclasses.replace(ctx.config.image, source_url=nasty)
-    source = ctx.source()
-    _, changes = patched_files(ctx.series, source)
-    plan = image.plan_bundle(cfg, ctx.series, source, changes, fake_base(ctx), EPOCH)
+    plan = image.plan_bundle(cfg, fake_target(ctx), ctx.source(), fake_base(ctx), EPOCH)
     labels = dockerfile_labels(image.bundle_dockerfile(plan))
     assert labels == plan.labels and labels["org.opencontainers.image.source"] == nasty
     with pytest.raises(ConfigError, match="newline"):
@@ -510,7 +536,13 @@ def test_a_failed_check_is_a_verify_error(ctx, engine, tmp_path, monkeypatch):
 def test_skewed_base_is_refused_before_any_build(ctx, engine, tmp_path):
     base = engine.images["example/vllm-openai:v0.21.0"]
     base.files[OFFICIAL_VLLM_ROOT + "/device_allocator/cumem.py"] = b"another release\n"
-    with pytest.raises(VerifyError, match="device_allocator/cumem.py"):
+    # the base's own file is patched (the plan): the hunk does not apply there
+    with pytest.raises(ApplyError, match="device_allocator/cumem.py: hunk #1"):
+        image.build_bundle(ctx, ctx.config.image, engine, tmp_path / "out")
+    # the patch applies, but the file is not the pinned release's
+    base.files[OFFICIAL_VLLM_ROOT + "/device_allocator/cumem.py"] = (CUMEM_OLD + "# another release\n").encode()
+    base.id = "sha256:" + "c" * 64  # another image
+    with pytest.raises(VerifyError, match="version skew in .*device_allocator/cumem.py"):
         image.build_bundle(ctx, ctx.config.image, engine, tmp_path / "out")
     assert not [c for c in engine.calls if c[0] == "build"]
     assert not (tmp_path / "out").exists()
@@ -679,24 +711,39 @@ def test_same_inputs_same_files_and_labels(daemon, bundle, standin_official, tmp
 
 
 @pytest.mark.docker
-def test_skewed_base_is_refused_naming_the_file(daemon, standin_skew, tmp_path, capsys):
+def test_a_base_of_a_release_without_a_lane_is_refused_naming_the_lanes(daemon, standin_skew, tmp_path, capsys):
     code = build_cli(standin_skew.ref, "sm12x-test/bundle:skew", tmp_path / "skew")
     err = capsys.readouterr().err
-    assert code == VerifyError.exit_code
-    assert "version skew" in err and "it says vLLM 0.26.0" in err
-    assert OFFICIAL_VLLM_ROOT + "/device_allocator/cumem.py" in err
+    assert code == SeriesError.exit_code
+    assert f"image {standin_skew.ref} carries vLLM 0.26.0, and no lane is for it (lanes: 0.21.0, 0.33.0)" in err
     with pytest.raises(EngineError, match="not found"):
         daemon.image_id("sm12x-test/bundle:skew")
     assert not (tmp_path / "skew").exists()
 
 
 @pytest.mark.docker
+def test_a_0_33_0_base_is_planned_with_the_0_33_0_lane(daemon, standin_lane2, pinned_ctx):
+    """The base's own vLLM version selects the lane: its files, native build and labels."""
+    cfg = dataclasses.replace(pinned_ctx.config.image, base=standin_lane2.ref)
+    plan = image.plan_from_base(pinned_ctx, cfg, daemon)
+    lane = pinned_ctx.lane("0.33.0")
+    assert plan.target.lane is lane and plan.series_sha256 == lane.series.sha256
+    assert plan.pin["version"] == "0.33.0" and plan.side.versions["vllm"] == "0.33.0"
+    assert plan.labels["org.opencontainers.image.version"].startswith("0.33.0+sm12x.")
+    assert {i for f in plan.files for i in f.patches} <= set(lane.series.ids)
+    assert plan.doc["series"] == lane.series.file.read_bytes()
+    if plan.native is not None:  # built in the base itself, from 0.33.0's patched sources
+        assert plan.builder.base == daemon.image_id(standin_lane2.ref)
+        assert plan.native.built_from["vllm"] == "0.33.0"
+
+
+@pytest.mark.docker
 def test_opt_root_is_found_and_planned(daemon, standin_opt, pinned_ctx):
     cfg = dataclasses.replace(pinned_ctx.config.image, base=standin_opt.ref)
     plan = image.plan_from_base(pinned_ctx, cfg, daemon)
-    assert plan.base.root == "/opt/vllm/vllm"
+    assert plan.side.root == "/opt/vllm/vllm"
     assert all(f.container_path.startswith("/opt/vllm/vllm/") for f in plan.files)
-    assert plan.base.versions["vllm"] == "0.21.0"  # from vllm/_version.py: no metadata there
+    assert plan.side.versions["vllm"] == "0.21.0"  # from vllm/_version.py: no metadata there
 
 
 @pytest.mark.docker

@@ -25,8 +25,8 @@ from hcl2.utils import SerializationOptions
 from sm12x_bundle import cli
 from sm12x_bundle import config as config_mod
 from sm12x_bundle.errors import ConfigError
-from sm12x_bundle.outputs import manifest as manifest_mod
 from sm12x_bundle.outputs import nomad
+from sm12x_bundle.plan import files as plan_files
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden" / "nomad"
@@ -585,7 +585,7 @@ def test_example_manifest_matches_the_pinned_series(patched_tree, pinned_tree, s
     nomad.check_manifest(m, "example")
     overlaid = [f["container_path"].removeprefix(ROOT) for f in m["files"]]
     assert "/cumem_allocator.abi3.so" in overlaid and "/device_allocator/cumem.py" in overlaid
-    plan = manifest_mod.plan_series(series)
+    plan = plan_files.plan_series(series)
     # the rebuilt extension and every Python file the series changes or adds
     assert sorted(overlaid) == sorted(p.removeprefix("vllm") for p in [*plan.files, *(b.artifact for b in plan.native)])
     assert m["files"][overlaid.index("/envs.py")]["mode"] == "0755"

@@ -21,16 +21,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
 from patchkit import make_patch, write_series
+
 from sm12x_bundle import engine as engine_mod
 from sm12x_bundle.cli import main
 from sm12x_bundle.config import TargetConfig, parse
 from sm12x_bundle.engine import ImageFile
-from sm12x_bundle.errors import ApplyError, ConfigError, EngineError, SeriesError, VerifyError
-from sm12x_bundle.outputs import manifest, native_build, overlay
+from sm12x_bundle.errors import (
+    ApplyError,
+    ConfigError,
+    EngineError,
+    SeriesError,
+    VerifyError,
+)
+from sm12x_bundle.outputs import manifest, native_build, overlay, verify
+from sm12x_bundle.plan import files as plan_files
+from sm12x_bundle.plan import originals as plan_originals
+from sm12x_bundle.plan import target as plan_target
 from sm12x_bundle.progress import Progress
+from sm12x_bundle.series.lane import Lane
 from sm12x_bundle.series.patch import load_series
+from sm12x_bundle.source.pin import Pin
 
 ROOT = "/usr/local/lib/python3.12/dist-packages/vllm"
 OPT = "/opt/vllm/vllm"
@@ -98,7 +109,7 @@ class FakeEngine:
         assert network is False
         if argv[:2] == ["python3", "-c"] and argv[2] == engine_mod._PROBE:
             return 0, "SM12X-PROBE " + json.dumps(self._probe(image, argv[3], json.loads(argv[4]))) + "\n"
-        if argv[:2] == ["python3", "-c"] and argv[2] == overlay.VERIFY_SCRIPT:
+        if argv[:2] == ["python3", "-c"] and argv[2] == verify.VERIFY_SCRIPT:
             return self._verify_here(argv[3], mounts, env)
         raise AssertionError(f"unexpected command {argv}")
 
@@ -128,7 +139,7 @@ class FakeEngine:
             f["path"] = where[f["path"]]
         spec["libdir"] = where.get(spec["libdir"], spec["libdir"])
         proc = subprocess.run(
-            [sys.executable, "-c", overlay.VERIFY_SCRIPT, json.dumps(spec)],
+            [sys.executable, "-c", verify.VERIFY_SCRIPT, json.dumps(spec)],
             env={**os.environ, **(env or {})},
             capture_output=True,
             text=True,
@@ -136,8 +147,8 @@ class FakeEngine:
         return proc.returncode, proc.stdout + proc.stderr
 
 
-def image_with(root: str = ROOT, files: dict[str, str] | None = None, **kw) -> FakeImage:
-    content = {f"{root}/__init__.py": b"", f"{root}/_version.py": b"__version__ = version = '0.21.0'\n"}
+def image_with(root: str = ROOT, files: dict[str, str] | None = None, version: str = "0.21.0", **kw) -> FakeImage:
+    content = {f"{root}/__init__.py": b"", f"{root}/_version.py": f"__version__ = version = '{version}'\n".encode()}
     for rel, text in (files if files is not None else {"a.py": BODY}).items():
         content[f"{root}/{rel}"] = text.encode()
     return FakeImage(content, **kw)
@@ -155,10 +166,14 @@ def no_sources(version):
     raise AssertionError("no native build expected")
 
 
+def lane_of(series) -> Lane:
+    return Lane(PIN["version"], Pin(PIN["version"], PIN["sha256"]), series)
+
+
 def build(engine, series, target: TargetConfig) -> overlay.Overlay:
-    side = overlay.image_side(engine, target)
-    plan = overlay.plan_series(series)
-    return overlay.make_overlay(target, series, plan, side, no_sources, PIN, Progress.quiet())
+    side = plan_originals.image_side(engine, target)
+    plan = plan_target.plan_lane(target, lane_of(series), side, no_sources, side.image_id)
+    return overlay.make_overlay(plan, Progress.quiet())
 
 
 def target(image: str = "img", root: str | None = None, name: str = "t", pinned: bool = False) -> TargetConfig:
@@ -178,7 +193,7 @@ def test_plan_overlays_vllm_files_and_skips_the_rest(tmp_path):
             "0002-b.patch": make_patch({"vllm/new.py": (None, "y = 2\n")}),
         },
     )
-    plan = overlay.plan_series(series)
+    plan = plan_files.plan_series(series)
     assert plan.files == ("vllm/a.py", "vllm/new.py")
     assert plan.skipped == ("tests/test_a.py",)
     assert plan.native == ()
@@ -190,7 +205,7 @@ def test_plan_maps_a_native_patch_to_its_artifact(tmp_path):
         Sm12x_Kind="native",
         Sm12x_Builds="vllm/cumem_allocator.abi3.so",
     )
-    plan = overlay.plan_series(series_of(tmp_path, {"0001-n.patch": native_patch}))
+    plan = plan_files.plan_series(series_of(tmp_path, {"0001-n.patch": native_patch}))
     assert plan.files == ()
     [nb] = plan.native
     assert nb.artifact == "vllm/cumem_allocator.abi3.so"
@@ -210,18 +225,18 @@ def test_plan_refuses_what_an_overlay_cannot_carry(tmp_path, changes, builds, me
     headers = {"Sm12x_Kind": "native", "Sm12x_Builds": builds} if builds else {}
     series = series_of(tmp_path, {"0001-x.patch": make_patch(changes, **headers)})
     with pytest.raises(SeriesError, match=message):
-        overlay.plan_series(series)
+        plan_files.plan_series(series)
 
 
 def test_container_paths_and_module_names():
-    assert manifest.container_path(OPT, "vllm/device_allocator/cumem.py") == f"{OPT}/device_allocator/cumem.py"
-    assert manifest.module_name(OPT, f"{OPT}/device_allocator/cumem.py") == "vllm.device_allocator.cumem"
-    assert manifest.module_name(OPT, f"{OPT}/x/__init__.py") == "vllm.x"
-    assert manifest.module_name(OPT, f"{OPT}/cumem_allocator.abi3.so") == "vllm.cumem_allocator"
-    assert manifest.normal_root("/opt/vllm/vllm/", "t") == OPT
+    assert plan_files.container_path(OPT, "vllm/device_allocator/cumem.py") == f"{OPT}/device_allocator/cumem.py"
+    assert plan_files.module_name(OPT, f"{OPT}/device_allocator/cumem.py") == "vllm.device_allocator.cumem"
+    assert plan_files.module_name(OPT, f"{OPT}/x/__init__.py") == "vllm.x"
+    assert plan_files.module_name(OPT, f"{OPT}/cumem_allocator.abi3.so") == "vllm.cumem_allocator"
+    assert plan_files.normal_root("/opt/vllm/vllm/", "t") == OPT
     for bad in ("opt/vllm", "/", "/../"):
         with pytest.raises(ConfigError, match="absolute"):
-            manifest.normal_root(bad, "t")
+            plan_files.normal_root(bad, "t")
 
 
 # --- where vLLM is, and what the image carries ----------------------------------------
@@ -229,7 +244,7 @@ def test_container_paths_and_module_names():
 
 def test_root_from_the_target_asks_no_python(tmp_path):
     engine = FakeEngine({"img": image_with(OPT)})
-    side = overlay.image_side(engine, target(root=OPT + "/"))
+    side = plan_originals.image_side(engine, target(root=OPT + "/"))
     assert side.root == OPT
     [probe] = engine.runs
     assert probe[3] == OPT  # the search is skipped
@@ -237,25 +252,25 @@ def test_root_from_the_target_asks_no_python(tmp_path):
 
 def test_root_from_the_images_python(tmp_path):
     engine = FakeEngine({"img": image_with(OPT, python_root=OPT)})
-    assert overlay.image_side(engine, target()).root == OPT
+    assert plan_originals.image_side(engine, target()).root == OPT
 
 
 def test_root_falls_back_to_searching_for_the_package(tmp_path):
     engine = FakeEngine({"img": image_with(ROOT, python_root=None)})
-    assert overlay.image_side(engine, target()).root == ROOT
+    assert plan_originals.image_side(engine, target()).root == ROOT
 
 
 def test_several_vllm_packages_and_no_answer_need_a_root(tmp_path):
     image = image_with(ROOT)
     image.files.update(image_with(OPT).files)
     with pytest.raises(EngineError, match="several vLLM packages"):
-        overlay.image_side(FakeEngine({"img": image}), target())
+        plan_originals.image_side(FakeEngine({"img": image}), target())
 
 
 def test_no_vllm_in_the_image_is_a_clear_error(tmp_path):
     engine = FakeEngine({"img": FakeImage({"/usr/bin/python3": b""})})
     with pytest.raises(EngineError, match="holds no vLLM"):
-        overlay.image_side(engine, target())
+        plan_originals.image_side(engine, target())
 
 
 def test_a_wrong_root_is_a_clear_error(tmp_path):
@@ -267,11 +282,11 @@ def test_a_wrong_root_is_a_clear_error(tmp_path):
 
 def test_versions_from_metadata_else_the_trees_version_file():
     dists = {"vllm": "0.21.0", "torch": "2.9.0+cu130", "flashinfer-python": "0.5.2"}
-    side = overlay.image_side(FakeEngine({"img": image_with(python_root=ROOT, dists=dists)}), target())
+    side = plan_originals.image_side(FakeEngine({"img": image_with(python_root=ROOT, dists=dists)}), target())
     assert side.versions == {
         "vllm": "0.21.0", "torch": "2.9.0+cu130", "triton": None, "flashinfer": "0.5.2", "deep_gemm": None,
     }
-    side = overlay.image_side(FakeEngine({"img": image_with(python_root=ROOT)}), target())
+    side = plan_originals.image_side(FakeEngine({"img": image_with(python_root=ROOT)}), target())
     assert side.versions["vllm"] == "0.21.0"  # from <root>/_version.py
 
 
@@ -370,7 +385,7 @@ def test_the_image_cache_keeps_modes(tmp_path):
     img = image_with(python_root=ROOT)
     img.modes[f"{ROOT}/a.py"] = 0o755
     engine = FakeEngine({"img": img})
-    store = overlay.ImageCache(tmp_path / "cache")
+    store = plan_originals.ImageCache(tmp_path / "cache")
     first = store.read(engine, "img", [f"{ROOT}/a.py", f"{ROOT}/missing.py"])
     again = store.read(engine, "img", [f"{ROOT}/a.py", f"{ROOT}/missing.py"])
     assert first == again == {f"{ROOT}/a.py": ImageFile(BODY.encode(), 0o755), f"{ROOT}/missing.py": None}
@@ -445,7 +460,7 @@ def project(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     engine = FakeEngine({})
     monkeypatch.setattr(engine_mod, "docker_engine", lambda: engine)
-    monkeypatch.setattr(overlay, "image_cache_dir", lambda ctx: tmp_path / "cache" / "images")
+    monkeypatch.setattr(plan_target, "image_cache_dir", lambda ctx: tmp_path / "cache" / "images")
 
     def configure(patches: dict[str, str], targets: str) -> FakeEngine:
         write_series(tmp_path / "patches", patches)
@@ -518,11 +533,129 @@ def test_cli_reads_an_image_once_by_id(project, tmp_path):
     assert (len(engine.runs), len(engine.reads)) == (runs + 1, reads)  # one probe reads the files too
 
 
+def test_a_series_that_asks_other_files_asks_the_image_again(project, tmp_path):
+    """The probe's answers (bytecode included) are kept for the paths it was asked about."""
+    engine = project({"0001-a.patch": change("value_20 = 20\n", "value_20 = 0\n")}, TWO_TARGETS)
+    engine.images |= {"img:a": image_with(python_root=ROOT, files={"a.py": BODY, "b.py": BODY})}
+    assert main(["overlay", "-q", "--target", "a"]) == 0
+    runs = len(engine.runs)
+    write_series(tmp_path / "patches", {
+        "0001-a.patch": change("value_20 = 20\n", "value_20 = 0\n"),
+        "0002-b.patch": change("value_30 = 30\n", "value_30 = 0\n", path="vllm/b.py"),
+    })
+    assert main(["overlay", "-q", "--target", "a", "--out", "again"]) == 0
+    assert len(engine.runs) == runs + 1  # one new probe: it reads b.py and lists its bytecode
+    assert len(json.loads((tmp_path / "again/a/current.json").read_text())["files"]) == 2
+
+
 def test_cli_ad_hoc_image_gets_a_folder_named_after_it(project, tmp_path, capsys):
     engine = project({"0001-a.patch": change("value_20 = 20\n", "value_20 = 0\n")}, TWO_TARGETS)
     engine.images["glm/vllm:nvfp4"] = image_with(OPT)
     assert main(["overlay", "-q", "--image", "glm/vllm:nvfp4", "--root", OPT, "--out", "ov"]) == 0
     assert (tmp_path / "ov" / "glm-vllm-nvfp4" / "current.json").is_file()
+
+
+# --- lanes: the image's vLLM version selects the series -------------------------------
+
+
+@pytest.fixture
+def two_lanes(tmp_path, monkeypatch):
+    """Lanes 0.21.0 and 0.33.0 (small local trees), each with its own series for vllm/a.py."""
+    monkeypatch.chdir(tmp_path)
+    engine = FakeEngine({})
+    monkeypatch.setattr(engine_mod, "docker_engine", lambda: engine)
+    monkeypatch.setattr(plan_target, "image_cache_dir", lambda ctx: tmp_path / "cache" / "images")
+    lanes = ""
+    for version, line in (("0.21.0", "value_20 = 20\n"), ("0.33.0", "value_30 = 30\n")):
+        write_series(tmp_path / f"p{version}", {"0001-a.patch": change(line, line.replace(" = ", " = 1"))})
+        tree = tmp_path / f"src-{version}"
+        for rel, text in {"PKG-INFO": f"Name: vllm\nVersion: {version}\n", "vllm/__init__.py": "", "vllm/a.py": BODY}.items():
+            (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tree / rel).write_text(text)
+        lanes += f"  - {{version: '{version}', series: p{version}/series, source: src-{version}}}\n"
+
+    def configure(targets: str) -> FakeEngine:
+        (tmp_path / "sm12x-bundle.yaml").write_text(f"lanes:\n{lanes}targets:\n{targets}")
+        return engine
+
+    return configure
+
+
+def written_a(tmp_path: Path, target: str) -> tuple[dict, str]:
+    m = json.loads((tmp_path / "overlays" / target / "current.json").read_text())
+    folder = tmp_path / "overlays" / target / m["content_hash"]
+    return m, (folder / m["files"][0]["source"]).read_text()
+
+
+def test_the_images_vllm_version_selects_its_lane(two_lanes, tmp_path, capsys):
+    engine = two_lanes("  - {name: old, image: 'img:21'}\n  - {name: new, image: 'img:33'}\n")
+    engine.images |= {"img:21": image_with(python_root=ROOT), "img:33": image_with(python_root=ROOT, version="0.33.0")}
+    assert main(["overlay", "-q"]) == 0
+    old, old_a = written_a(tmp_path, "old")
+    new, new_a = written_a(tmp_path, "new")
+    assert old["pin"]["version"] == "0.21.0" and "value_20 = 120\n" in old_a and "value_30 = 30\n" in old_a
+    assert new["pin"]["version"] == "0.33.0" and "value_30 = 130\n" in new_a and "value_20 = 20\n" in new_a
+    assert old["series_sha256"] != new["series_sha256"]
+
+
+def test_a_lane_with_an_empty_series_gives_an_empty_overlay(two_lanes, tmp_path):
+    """A lane being written: no patch yet, nothing to overlay, and nothing else refused."""
+    engine = two_lanes("  - {name: new, image: 'img:33'}\n")
+    (tmp_path / "p0.33.0" / "series").write_text("# nothing yet\n")
+    engine.images["img:33"] = image_with(python_root=ROOT, version="0.33.0")
+    assert main(["overlay", "-q"]) == 0
+    m = json.loads((tmp_path / "overlays/new/current.json").read_text())
+    assert m["files"] == [] and m["native"] == {} and m["pin"]["version"] == "0.33.0"
+
+
+def test_an_image_whose_release_has_no_lane_is_refused_and_nothing_is_written(two_lanes, tmp_path, capsys):
+    engine = two_lanes("  - {name: old, image: 'img:21'}\n  - {name: mid, image: 'img:26'}\n")
+    engine.images |= {"img:21": image_with(python_root=ROOT), "img:26": image_with(python_root=ROOT, version="0.26.0")}
+    assert main(["overlay", "-q"]) == SeriesError.exit_code
+    err = capsys.readouterr().err
+    assert "image img:26 carries vLLM 0.26.0, and no lane is for it (lanes: 0.21.0, 0.33.0)" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "overlays").exists()
+
+
+def test_a_target_whose_image_carries_another_release_than_it_says_is_refused(two_lanes, tmp_path, capsys):
+    engine = two_lanes("  - {name: new, image: 'img:33', vllm: '0.21.0'}\n")
+    engine.images["img:33"] = image_with(python_root=ROOT, version="0.33.0")
+    assert main(["overlay", "-q"]) == ConfigError.exit_code
+    assert "target new says vllm: '0.21.0', but image img:33 carries vLLM 0.33.0" in capsys.readouterr().err
+    assert not (tmp_path / "overlays").exists()
+
+
+def test_pinned_targets_without_a_daemon_stand_in_with_the_lane_they_name(two_lanes, tmp_path, capsys):
+    engine = two_lanes(
+        f"  - {{name: first, image: 'img:21', root: {ROOT}, pinned: true}}\n"
+        f"  - {{name: new, image: 'img:33', root: {ROOT}, pinned: true, vllm: '0.33.0'}}\n"
+    )
+    engine.reachable = False
+    assert main(["overlay", "-q"]) == 0
+    first, first_a = written_a(tmp_path, "first")  # no vllm: the first lane
+    new, new_a = written_a(tmp_path, "new")
+    assert first["pin"]["version"] == first["versions"]["vllm"] == "0.21.0" and "value_20 = 120\n" in first_a
+    assert new["pin"]["version"] == new["versions"]["vllm"] == "0.33.0" and "value_30 = 130\n" in new_a
+    assert first["image_id"] is None and new["image_id"] is None
+
+
+def test_a_target_naming_a_release_without_a_lane_is_refused_at_load(two_lanes, tmp_path, capsys):
+    two_lanes("  - {name: mid, image: 'img:26', vllm: '0.26.0'}\n")
+    assert main(["overlay", "-q"]) == ConfigError.exit_code
+    err = capsys.readouterr().err
+    assert "sm12x-bundle.yaml:5: targets[0].vllm: target 'mid' names vLLM '0.26.0', which is not a lane" in err
+    assert "(lanes: 0.21.0, 0.33.0)" in err
+
+
+def test_build_dry_run_names_each_targets_lane(two_lanes, tmp_path, capsys):
+    two_lanes("  - {name: new, image: 'img:33', root: /r/vllm, pinned: true, vllm: '0.33.0'}\n"
+              "  - {name: any, image: 'img:x'}\n")
+    assert main(["build", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "overlays/new/  lane 0.33.0: image img:33 (its vLLM must be 0.33.0); no daemon: the pinned 0.33.0 tree" in out
+    assert "overlays/any/  image img:x: the lane of its vLLM version (0.21.0, 0.33.0); needs a daemon" in out
+    assert not (tmp_path / "overlays").exists() and not (tmp_path / "build").exists()
 
 
 def test_target_names_must_be_one_folder():
@@ -542,7 +675,7 @@ def verified_setup(tmp_path, image: FakeImage, new_text: str = "value_20 = 0\n")
 
 def test_verify_checks_hashes_and_compiles_in_the_image(tmp_path):
     engine, folder = verified_setup(tmp_path, image_with(python_root=ROOT))
-    report = overlay.verify_overlay(engine, folder)
+    report = verify.verify_overlay(engine, folder)
     assert any("sha256" in line for line in report.ok) and any("compiles" in line for line in report.ok)
     assert any("imports not checked" in n for n in report.notes)
 
@@ -552,17 +685,17 @@ def test_verify_refuses_an_image_whose_original_differs(tmp_path):
     other = BODY.replace("value_1 = 1\n", "value_1 = 'rebuilt'\n").encode()
     engine.images["img"].files[f"{ROOT}/a.py"] = other
     with pytest.raises(VerifyError) as exc:
-        overlay.verify_overlay(engine, folder)
+        verify.verify_overlay(engine, folder)
     text = str(exc.value)
     assert f"{ROOT}/a.py" in text and "refused" in text
     assert hashlib.sha256(BODY.encode()).hexdigest() in text and hashlib.sha256(other).hexdigest() in text
-    assert not any(overlay.VERIFY_SCRIPT in r for r in engine.runs)  # refused before anything runs
+    assert not any(verify.VERIFY_SCRIPT in r for r in engine.runs)  # refused before anything runs
 
 
 def test_verify_refuses_a_file_that_does_not_compile(tmp_path):
     engine, folder = verified_setup(tmp_path, image_with(python_root=ROOT), "value_20 = (\n")
     with pytest.raises(VerifyError, match="does not compile"):
-        overlay.verify_overlay(engine, folder)
+        verify.verify_overlay(engine, folder)
 
 
 def test_verify_refuses_a_tampered_overlay(tmp_path):
@@ -571,14 +704,14 @@ def test_verify_refuses_a_tampered_overlay(tmp_path):
     os.chmod(folder / f["source"], 0o644)
     (folder / f["source"]).write_text("print('not the patch')\n")
     with pytest.raises(VerifyError, match="differs from its manifest"):
-        overlay.verify_overlay(engine, folder)
+        verify.verify_overlay(engine, folder)
 
 
 def test_verify_finds_current_json_and_reports_a_missing_image(tmp_path):
     engine, folder = verified_setup(tmp_path, image_with(python_root=ROOT))
-    assert overlay.load_manifest(folder.parent / "current.json")[0] == folder
+    assert manifest.load_manifest(folder.parent / "current.json")[0] == folder
     with pytest.raises(EngineError, match="not found"):
-        overlay.verify_overlay(engine, folder, image="nope")
+        verify.verify_overlay(engine, folder, image="nope")
 
 
 def _pyc_for(path: Path, mtime: int, size: int, flags: int = 0) -> None:
@@ -590,7 +723,7 @@ def _pyc_for(path: Path, mtime: int, size: int, flags: int = 0) -> None:
 
 
 def run_script(spec: dict) -> str:
-    argv = [sys.executable, "-c", overlay.VERIFY_SCRIPT, json.dumps(spec)]
+    argv = [sys.executable, "-c", verify.VERIFY_SCRIPT, json.dumps(spec)]
     proc = subprocess.run(argv, capture_output=True, text=True)
     return proc.stdout
 
@@ -611,7 +744,7 @@ def test_verify_script_catches_stale_bytecode(tmp_path):
 
 
 def test_image_cuda_must_match_the_headers():
-    side = overlay.ImageSide("img", "id", ROOT, {"torch": "2.9.0+cu129"}, lambda p: {})
+    side = plan_originals.ImageSide("img", "id", ROOT, {"torch": "2.9.0+cu129"}, lambda p: {})
     assert native_build.image_cuda(side.versions) == "12.9"
     native_build.check_cuda_match(side.versions, "12.8", side.label)
     with pytest.raises(ConfigError, match="image img runs CUDA 12.9"):
@@ -642,7 +775,7 @@ def test_default_target_without_docker_from_the_pinned_tree(
     assert (folder / files[f"{ROOT}/envs.py"]["source"]).stat().st_mode & 0o777 == 0o755
     assert folder.stat().st_mode & 0o777 == 0o755
     cumem = files[f"{ROOT}/device_allocator/cumem.py"]
-    assert cumem["patches"] == list(manifest.installed_paths(series)["vllm/device_allocator/cumem.py"])
+    assert cumem["patches"] == list(plan_files.installed_paths(series)["vllm/device_allocator/cumem.py"])
     assert cumem["patches"][:2] == ["cumem-stream-aware-free", "cumem-wake-up-rollback"]
     original = (pinned_tree / "vllm/device_allocator/cumem.py").read_bytes()
     assert cumem["pre_image_sha256"] == hashlib.sha256(original).hexdigest()
@@ -665,21 +798,21 @@ def test_default_target_without_docker_from_the_pinned_tree(
 def test_pinned_overlay_passes_the_in_image_checks_here(tmp_path, series, pinned_source):
     """The verify script on this machine's Python: hashes, compile, and the rebuilt extension loads."""
     t = TargetConfig(name="t", image="img", root=ROOT, pinned=True)
-    side = overlay.pinned_side(t, pinned_source)
-    plan = overlay.plan_series(series)
-    ov = overlay.make_overlay(t, series, plan, side, lambda v: pinned_source, PIN, Progress.quiet())
+    side = plan_originals.pinned_side(t, pinned_source)
+    plan = plan_files.plan_series(series)
+    ov = overlay.make_overlay(plan_target.plan_lane(t, lane_of(series), side, lambda v: pinned_source), Progress.quiet())
     [folder] = overlay.write_overlays([ov], tmp_path / "out")
     originals = {
-        overlay.container_path(ROOT, p): (pinned_source.root / p).read_bytes()
-        for p in overlay.wanted_paths(plan)
+        plan_files.container_path(ROOT, p): (pinned_source.root / p).read_bytes()
+        for p in plan_files.wanted_paths(plan)
         if (pinned_source.root / p).is_file()
     }
     engine = FakeEngine({"img": FakeImage(originals)})
     with pytest.raises(VerifyError, match="made from the pinned tree"):
         engine.images["img"].files[f"{ROOT}/cumem_allocator.abi3.so"] = b"the image's own build"
-        overlay.verify_overlay(engine, folder)
+        verify.verify_overlay(engine, folder)
     del engine.images["img"].files[f"{ROOT}/cumem_allocator.abi3.so"]
-    report = overlay.verify_overlay(engine, folder)
+    report = verify.verify_overlay(engine, folder)
     assert any("loads as vllm.cumem_allocator" in line for line in report.ok), report
     assert any("cumem.py: compiles" in line for line in report.ok)
 
@@ -687,10 +820,10 @@ def test_pinned_overlay_passes_the_in_image_checks_here(tmp_path, series, pinned
 @pytest.mark.integration
 def test_overlaid_files_keep_the_pinned_trees_modes(series, pinned_source):
     """vLLM 0.21.0's envs.py is 0755 in the sdist; the overlay's copy must not become 0644."""
-    side = overlay.pinned_side(TargetConfig(name="t", image="img", root=ROOT, pinned=True), pinned_source)
-    originals = side.read(list(overlay.plan_series(series).files))
+    side = plan_originals.pinned_side(TargetConfig(name="t", image="img", root=ROOT, pinned=True), pinned_source)
+    originals = side.read(list(plan_files.plan_series(series).files))
     assert originals["vllm/envs.py"].mode == 0o755
-    patched, _ = overlay.patch_image_files(series, originals, side.label)
+    patched, _ = plan_files.patch_image_files(series, originals, side.label)
     assert patched["vllm/envs.py"].mode == 0o755
     assert patched["vllm/device_allocator/cumem.py"].mode == 0o644
     assert patched["vllm/v1/attention/ops/sm12x_sparse_mla/__init__.py"].mode == 0o644  # new: the patch's mode
@@ -699,7 +832,7 @@ def test_overlaid_files_keep_the_pinned_trees_modes(series, pinned_source):
 @pytest.mark.integration
 def test_pinned_target_needs_a_root_without_docker(pinned_source):
     with pytest.raises(ConfigError, match="no root"):
-        overlay.pinned_side(TargetConfig(name="t", image="i", pinned=True), pinned_source)
+        plan_originals.pinned_side(TargetConfig(name="t", image="i", pinned=True), pinned_source)
 
 
 def test_make_and_write_verifies_what_it_read_from_images(project, tmp_path):
@@ -712,10 +845,10 @@ def test_make_and_write_verifies_what_it_read_from_images(project, tmp_path):
     ctx = Context(load(tmp_path / "sm12x-bundle.yaml"), Progress.quiet())
     written = overlay.make_and_write(ctx)
     assert [(ov.target, folder.parent) for ov, folder in written] == [("a", Path("overlays/a")), ("b", Path("overlays/b"))]
-    assert sum(r[2] == overlay.VERIFY_SCRIPT for r in engine.runs) == 2
+    assert sum(r[2] == verify.VERIFY_SCRIPT for r in engine.runs) == 2
     again = overlay.make_and_write(ctx, [ctx.config.target("a")], verify=False, out=tmp_path / "elsewhere")
     assert again[0][1] == tmp_path / "elsewhere" / "a" / written[0][0].content_hash
-    assert sum(r[2] == overlay.VERIFY_SCRIPT for r in engine.runs) == 2  # verify=False: not checked
+    assert sum(r[2] == verify.VERIFY_SCRIPT for r in engine.runs) == 2  # verify=False: not checked
     engine.reachable = False
     with pytest.raises(EngineError, match="does not answer"):
         overlay.make_and_write(ctx)  # targets that are not pinned need the daemon

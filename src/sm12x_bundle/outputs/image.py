@@ -1,15 +1,16 @@
-"""The bundle image: the base vLLM image with the series applied, one image per release.
+"""The bundle image: the base vLLM image with its lane's series applied, one image per release.
 
-Plan first, then execute. :func:`inspect_base` asks the engine about the base (its
-vLLM install root, versions, and the pre-image of every file the series changes) and
-:func:`check_skew` refuses a base that is not the pinned release, before anything is
-built. :func:`plan_bundle` turns the config, the series and that answer into a
-:class:`BundlePlan` without touching an engine; :func:`builder_context` and
+Plan first, then execute. The base is planned as a target (plan/target.py,
+:func:`plan_target`: its vLLM version selects the lane, its own files are patched, the
+native build is planned), :func:`inspect_base` asks the engine what only the bundle needs
+(its id, labels and repository digest) and :func:`check_skew` refuses a base whose files
+are not its lane's pinned release, before anything is built. :func:`plan_bundle` turns
+that into a :class:`BundlePlan` without touching an engine; :func:`builder_context` and
 :func:`bundle_context` render the two build contexts from it (``--dry-run`` prints
 them). :func:`build_bundle` builds them (the cumem extension alone in
 docker/Dockerfile.builder, the one native build both outputs use (native_build.py), then
 docker/Dockerfile.bundle) and :func:`verify_bundle` checks the result in a container with
-no network, with the same in-image check as overlays (manifest.py). The manifest in the
+no network, with the same in-image check as overlays (verify.py). The manifest in the
 image has the overlays' schema.
 """
 
@@ -29,30 +30,30 @@ from pathlib import Path
 from typing import Any
 
 from .. import arguments, fsutil, native
-from ..config import ImageConfig
+from ..config import ImageConfig, TargetConfig
 from ..context import Context
-from ..engine import OFFICIAL_VLLM_ROOT, Engine, docker_engine, probe_vllm
-from ..errors import ConfigError, SeriesError, VerifyError
-from ..series.apply import FileText
+from ..engine import OFFICIAL_VLLM_ROOT, Engine, docker_engine
+from ..errors import ConfigError, VerifyError
+from ..plan.files import InstalledFile, read_or_none, sha256_of
+from ..plan.native import NativePlan
+from ..plan.originals import ImageSide
+from ..plan.target import TargetPlan, plan_target, say_plan
 from ..series.patch import Series
 from ..source.pin import SourceTree
 from . import native_build
-from .dockerfile import PIN_REPOSITORY, ContextFiles, fill, from_reference, pin_locally, template, write_context
-from .manifest import (
-    VERIFY_SCRIPT,
-    InstalledFile,
-    container_path,
-    installed_paths,
-    manifest_bytes,
-    parse_verify,
-    plan_series,
-    read_or_none,
-    sha256_of,
-    verify_spec,
+from .dockerfile import (
+    PIN_REPOSITORY,
+    ContextFiles,
+    fill,
+    from_reference,
+    pin_locally,
+    template,
+    write_context,
 )
 from .manifest import manifest as manifest_document
-from .native_build import NativePlan, builder_context
-from .tree import patched_files
+from .manifest import manifest_bytes
+from .native_build import builder_context
+from .verify import VERIFY_SCRIPT, parse_verify, verify_spec
 
 DOC_DIR = "/usr/share/doc/sm12x-bundle"
 OCI = "org.opencontainers.image."
@@ -65,17 +66,12 @@ NATIVE_ARTIFACT = "vllm/" + native.ARTIFACT
 
 @dataclass(frozen=True)
 class BaseImage:
-    """What the base image is and holds, as far as the bundle cares."""
+    """What only the bundle asks of its base (its vLLM, files and versions are the plan's)."""
 
     name: str  # as configured: the tag an operator knows
     ref: str  # the id of the image that was checked (FROM names it by its pin tag, dockerfile.py)
     digest: str | None  # its manifest digest, for org.opencontainers.image.base.digest (None: omitted)
-    root: str  # the vLLM package folder inside it
-    versions: dict[str, str | None]
-    import_error: str | None  # None: `import vllm` works there
-    pre_images: dict[str, bytes | None]  # vllm/... path -> the base's bytes (None: absent)
     labels: dict[str, str] = field(default_factory=dict)
-    bytecode: dict[str, list[str]] | None = None  # vllm/... path -> its .pyc; None: not asked
     digest_note: str | None = None  # why base.digest is omitted, when it is
 
 
@@ -109,59 +105,45 @@ def manifest_digest(cfg: ImageConfig, repo_digests: list[str]) -> tuple[str | No
     )
 
 
-def inspect_base(engine: Engine, cfg: ImageConfig, paths: list[str]) -> BaseImage:
-    """Ask the engine about the base: no build, no network, the model never started."""
-    ref = _reference(cfg)
-    image_id = engine.image_id(ref)
-    probe = probe_vllm(engine, image_id, cfg.root, paths)
+def inspect_base(engine: Engine, cfg: ImageConfig) -> BaseImage:
+    """Ask the engine what the bundle needs beyond the plan: no build, no container."""
+    image_id = engine.image_id(_reference(cfg))
     digest, note = manifest_digest(cfg, engine.repo_digests(image_id))
-    return BaseImage(
-        name=cfg.base,
-        ref=image_id,
-        digest=digest,
-        digest_note=note,
-        root=probe.root,
-        versions=probe.versions,
-        import_error=probe.import_error,
-        pre_images={path: probe.files.get(path) for path in paths},
-        labels=engine.image_labels(image_id),
-        bytecode={path: probe.bytecode.get(path, []) for path in paths},
-    )
+    return BaseImage(cfg.base, image_id, digest, engine.image_labels(image_id), note)
 
 
-def pinned_base(cfg: ImageConfig, source: SourceTree, paths: list[str]) -> BaseImage:
-    """The base as the pinned tree describes it: for ``--dry-run``, which asks no daemon."""
-    root = cfg.root or OFFICIAL_VLLM_ROOT
-    return BaseImage(
-        name=cfg.base,
-        ref=_reference(cfg),
-        digest=cfg.base_digest,
-        digest_note=None if cfg.base_digest else "a dry run asks no daemon for the base's repository digest",
-        root=root,
-        versions={"vllm": source.version, "torch": None, "triton": None, "flashinfer": None, "deep_gemm": None},
-        import_error="not asked (dry run)",
-        pre_images={path: read_or_none(source.root / path) for path in paths},
-    )
+def pinned_base(cfg: ImageConfig) -> BaseImage:
+    """The base as the config names it: for ``--dry-run``, which asks no daemon."""
+    note = None if cfg.base_digest else "a dry run asks no daemon for the base's repository digest"
+    return BaseImage(cfg.base, _reference(cfg), cfg.base_digest, {}, note)
 
 
-def check_skew(base: BaseImage, source: SourceTree, paths: list[str]) -> None:
-    """Refuse a base whose files differ from the pinned tree's: it is another release.
+def base_target(cfg: ImageConfig, dry_run: bool) -> TargetConfig:
+    """The base as a target of the plan; a dry run stands in with the first lane's pinned tree
+    at image.root, else the official image's install root."""
+    root = cfg.root or (OFFICIAL_VLLM_ROOT if dry_run else None)
+    return TargetConfig(name=cfg.tag, image=_reference(cfg), root=root, pinned=dry_run)
 
-    The extension has no copy in the sdist to compare with; its pre-image is recorded.
-    """
+
+def check_skew(plan: TargetPlan, source: SourceTree) -> None:
+    """Refuse a base whose files differ from its lane's pinned tree: it is not that release
+    as pinned, whatever it says. The extension has no copy in the sdist; its pre-image is recorded."""
     skewed = []
-    for path in sorted(p for p in paths if p != NATIVE_ARTIFACT):
-        pinned, found = read_or_none(source.root / path), base.pre_images.get(path)
-        if pinned != found:
-            where = container_path(base.root, path)
+    built = {n.artifact for n in plan.native}
+    for f in plan.files:
+        if f.path in built:
+            continue
+        pinned = sha256_of(read_or_none(source.root / f.path))
+        if pinned != f.pre_image_sha256:
+            found = f.pre_image_sha256
             skewed.append(
-                f"{where} ({'absent' if found is None else 'sha256 ' + sha256_of(found)[:12]} in the image, "
-                f"{'absent' if pinned is None else 'sha256 ' + sha256_of(pinned)[:12]} in vLLM {source.version}'s {path})"
+                f"{f.container_path} ({'absent' if found is None else 'sha256 ' + found[:12]} in the image, "
+                f"{'absent' if pinned is None else 'sha256 ' + pinned[:12]} in vLLM {source.version}'s {f.path})"
             )
     if skewed:
-        says = base.versions.get("vllm")
+        says = plan.side.versions.get("vllm")
         raise VerifyError(
-            f"base image {base.name} is not vLLM {source.version} as pinned"
+            f"base image {plan.side.ref} is not vLLM {source.version} as pinned"
             + (f" (it says vLLM {says})" if says else "")
             + ": version skew in "
             + "; ".join(skewed)
@@ -176,6 +158,7 @@ def check_skew(base: BaseImage, source: SourceTree, paths: list[str]) -> None:
 class BundlePlan:
     tag: str
     base: BaseImage
+    target: TargetPlan  # the base as a target: its lane, root, versions, files and native build
     files: tuple[InstalledFile, ...]
     native: NativePlan | None  # None: no native patch, nothing to build
     doc: dict[str, bytes]  # the series and each patch, by file name
@@ -188,6 +171,11 @@ class BundlePlan:
     @property
     def builder(self) -> native_build.BuilderPlan | None:
         return self.native.builder if self.native else None
+
+    @property
+    def side(self) -> ImageSide:
+        """The base's vLLM: root, versions, whether it imports, its bytecode."""
+        return self.target.side
 
     def with_artifact(self, path: str, data: bytes, record: dict[str, Any] | None = None) -> BundlePlan:
         files = tuple(dataclasses.replace(f, data=data) if f.path == path else f for f in self.files)
@@ -231,39 +219,21 @@ def bundle_labels(
 
 
 def plan_bundle(
-    cfg: ImageConfig,
-    series: Series,
-    source: SourceTree,
-    changes: Mapping[str, FileText | None],
-    base: BaseImage,
-    env: Mapping[str, str] | None = None,
+    cfg: ImageConfig, target: TargetPlan, source: SourceTree, base: BaseImage, env: Mapping[str, str] | None = None
 ) -> BundlePlan:
-    """Everything the build will do, decided before anything runs."""
+    """Everything the build will do, decided before anything runs: the target's plan rendered
+    as a bundle (the files and the native build are the plan's; labels, docs and the date are
+    the bundle's). The pin labels name ``source``, the lane's tree as it was verified."""
     env = os.environ if env is None else env
-    files = []
-    for path, ids in sorted(installed_paths(series).items()):
-        if path == NATIVE_ARTIFACT:
-            data, mode = None, 0o755
-        else:
-            text = changes.get(path)
-            if text is None:
-                raise SeriesError(f"{path}: the series deletes it; the bundle image cannot delete files")
-            data, mode = text.to_bytes(), text.mode
-        cp = container_path(base.root, path)
-        files.append(InstalledFile(path, cp, data, mode, ids, sha256_of(base.pre_images.get(path))))
+    series = target.lane.series
     pin = {"version": source.version, "sha256": source.sha256}
     created = created_epoch(series, env)
-    # Built in the base itself (or the configured builder image): native_build.py decides.
-    builder_base = cfg.builder_base or base.ref
-    natives = [
-        native_build.plan_native(series, b, source, builder_base, setup=cfg.builder_setup, cuda_home=cfg.cuda_home)
-        for b in plan_series(series).native
-    ]
     return BundlePlan(
         tag=cfg.tag,
         base=base,
-        files=tuple(files),
-        native=next((n for n in natives if n is not None), None),
+        target=target,
+        files=target.files,
+        native=target.native[0] if target.native else None,
         doc={series.file.name: series.file.read_bytes(), **{p.file.name: p.text.encode() for p in series.patches}},
         labels=bundle_labels(cfg, series, pin, base, created),
         pin=pin,
@@ -288,9 +258,9 @@ def _continued(items: list[str]) -> str:
 
 def _drop_stale_bytecode(plan: BundlePlan) -> str:
     """A RUN step only when the base holds bytecode of a patched module (each one costs)."""
-    if plan.base.bytecode is None:
+    if plan.side.bytecode is None:
         return "# (decided when the base is inspected: a dry run does not look)"
-    stale = sorted(pyc for f in plan.files for pyc in plan.base.bytecode.get(f.path, ()))
+    stale = sorted(pyc for f in plan.files for pyc in plan.side.bytecode.get(f.path, ()))
     if not stale:
         return "# (no step: the base holds no bytecode of the patched modules)"
     return "RUN rm -f " + _continued([shlex.quote(p) for p in stale])
@@ -315,8 +285,8 @@ def manifest(plan: BundlePlan) -> dict[str, Any]:
         target=plan.tag,
         image=plan.base.name,
         image_id=plan.base.ref,
-        vllm_root=plan.base.root,
-        versions=plan.base.versions,
+        vllm_root=plan.side.root,
+        versions=plan.side.versions,
         pin=plan.pin,
         series_sha256=plan.series_sha256,
         files=plan.files,
@@ -360,17 +330,22 @@ class BundleResult:
 
 
 def plan_from_base(ctx: Context, cfg: ImageConfig, engine: Engine | None) -> BundlePlan:
-    """Inspect the base (or, with no engine, take the pinned tree's word) and plan."""
-    source = ctx.source()
-    _, changes = patched_files(ctx.series, source, ctx.config.check.fuzz)
-    paths = sorted(installed_paths(ctx.series))
+    """Plan the base as a target (with no engine, the first lane's pinned tree stands in) and
+    refuse a base that is not its lane's release as pinned."""
     if engine is None:
-        base = pinned_base(cfg, source, paths)
+        base = pinned_base(cfg)
     else:
         ctx.progress.say(f"inspecting the base image {cfg.base}")
-        base = inspect_base(engine, cfg, paths)
-        check_skew(base, source, paths)
-    return plan_bundle(cfg, ctx.series, source, changes, base)
+        base = inspect_base(engine, cfg)
+    target = plan_target(
+        ctx, base_target(cfg, engine is None), engine, need_image=engine is not None,
+        builder_base=cfg.builder_base or base.ref, setup=cfg.builder_setup, cuda_home=cfg.cuda_home,
+    )
+    say_plan(target, ctx.progress, "image")
+    source = ctx.source(target.lane.version)
+    if engine is not None:
+        check_skew(target, source)
+    return plan_bundle(cfg, target, source, base)
 
 
 def check_output(out: Path, force: bool = False) -> None:
@@ -390,7 +365,7 @@ def build_bundle(
     if plan.native is not None:
         label = f"base image {plan.base.name}"
         art = native_build.build_native(
-            plan.native, engine, plan.base.versions, label, out / "builder", progress, force=force
+            plan.native, engine, plan.side.versions, label, out / "builder", progress, force=force
         )
         plan = plan.with_artifact(art.artifact, art.data, art.record)
     write_context(bundle_context(plan), out / "bundle", plan.created, force)
@@ -410,7 +385,7 @@ def verify_bundle(engine: Engine, plan: BundlePlan, ref: str) -> tuple[int, int,
     document = manifest(plan)
     docs = {f"{DOC_DIR}/{name}": sha256_of(data) for name, data in plan.doc.items()}
     docs[f"{DOC_DIR}/manifest.json"] = sha256_of(manifest_bytes(document))
-    spec = verify_spec(document, modules=plan.base.import_error is None, native=False, extra=docs)
+    spec = verify_spec(document, modules=plan.side.import_error is None, native=False, extra=docs)
     code, out = engine.run(ref, ["python3", "-c", VERIFY_SCRIPT, json.dumps(spec)], timeout=600)
     report = parse_verify(f"bundle {plan.tag}", ref, code, out)
     labels = engine.image_labels(ref)
@@ -444,8 +419,9 @@ def _dry_run(ctx: Context, cfg: ImageConfig, out: Path) -> int:
     print(files["Dockerfile"][0].decode())
     print(f"== build context {out / 'bundle'}\n{listing(files)}")
     print(
-        f"\n(dry run: no daemon asked; the base's vLLM root is taken as {plan.base.root} and its "
-        "files as the pinned tree's; a build reads both from the image and names it in FROM by a local "
+        f"\n(dry run: no daemon asked; the base's vLLM root is taken as {plan.side.root} and its "
+        f"files as the first lane's pinned tree, vLLM {plan.target.lane.version}'s; a build "
+        "reads both from the image, whose vLLM version selects the lane, and names it in FROM by a local "
         f"tag made from its id, {PIN_REPOSITORY}:<id>)"
     )
     if plan.base.digest_note:
@@ -461,8 +437,8 @@ def cmd_image(ctx: Context, args: argparse.Namespace) -> int:
     result = build_bundle(ctx, cfg, docker_engine(), out, push=args.push or cfg.push, force=args.force)
     imports = (
         f"imported {len(result.imported)}"
-        if result.plan.base.import_error is None
-        else f"import not checked (the base cannot import vLLM: {result.plan.base.import_error})"
+        if result.plan.side.import_error is None
+        else f"import not checked (the base cannot import vLLM: {result.plan.side.import_error})"
     )
     print(
         f"{result.tag} ({result.image_id[:19]}) built on {result.plan.base.name}: "
@@ -493,7 +469,14 @@ def _image_args(p: argparse.ArgumentParser) -> None:
     fsutil.add_force_argument(p, "replace DIR/builder and DIR/bundle even if they hold files this tool did not write")
 
 
-EXIT_CODES = {"image": {4: None, 5: None, 6: None, 7: None, 8: None, 9: None, 11: None}}
+EXIT_CODES = {
+    "image": {
+        4: None,
+        5: "could not run: the patch series is malformed or unsafe, or no lane is for the vLLM release "
+        "the base image carries (the message names the lanes)",
+        6: None, 7: None, 8: None, 9: None, 11: None,
+    }
+}
 
 COMMANDS = {
     "image": (

@@ -1,7 +1,7 @@
 """The one way overlays and the bundle image build the native artifact (the cumem extension).
 
-The compiler line is always native.py's; only where it runs differs, and this module alone
-decides (:func:`plan_native`):
+The compiler line is always native.py's; only where it runs differs. The plan decides where
+(plan/native.py, :func:`~sm12x_bundle.plan.native.plan_native`); this module builds it there:
 
 * **in a builder container** (docker/Dockerfile.builder ``FROM`` the target or base image,
   by the local tag named after its id, dockerfile.py): its own Python headers, CUDA
@@ -33,43 +33,26 @@ from typing import Any
 
 from .. import cmd, native
 from ..errors import CommandError, ConfigError, VerifyError
+from ..plan.native import BuilderPlan, NativePlan
 from ..progress import Progress
-from ..series.apply import VirtualTree
-from ..series.patch import Series
-from ..source.pin import SourceTree
-from .dockerfile import ContextFiles, context_digest, fill, from_reference, pin_locally, template, write_context
-from .manifest import NativeBuild, apply_subseries
+from .dockerfile import (
+    ContextFiles,
+    context_digest,
+    fill,
+    from_reference,
+    pin_locally,
+    template,
+    write_context,
+)
 
 # Where Dockerfile.builder leaves the extension (and what readelf and nm say of it).
 BUILDER_DIR = "/sm12x-build/out/"
 BUILDER_OUT = BUILDER_DIR + native.ARTIFACT
 # The tool's own modules the builder needs to run native.py's compiler line.
 _BUILDER_LIB = ("__init__.py", "native.py", "cmd.py", "errors.py")
-DEFAULT_CUDA_HOME = "/usr/local/cuda"
 
 
-# --- the plan ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class BuilderPlan:
-    """Dockerfile.builder's inputs: where the extension is built, and from what."""
-
-    base: str  # the image it is built in (by id where it was checked)
-    sources: dict[str, bytes]  # csrc/... -> bytes: the patched source and its headers
-    setup: str | None = None  # shell line run before compiling
-    cuda_home: str = DEFAULT_CUDA_HOME
-
-
-@dataclass(frozen=True)
-class NativePlan:
-    """One artifact to build: the patched inputs, and where (``builder`` None: the host)."""
-
-    artifact: str  # tree path, e.g. vllm/cumem_allocator.abi3.so
-    sources: dict[str, bytes]
-    patches: tuple[str, ...]
-    built_from: dict[str, Any]
-    builder: BuilderPlan | None
+# --- carrying out a plan (plan/native.py) -------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -78,41 +61,6 @@ class NativeArtifact:
     data: bytes
     patches: tuple[str, ...]
     record: dict[str, Any]  # how it was built, for the manifest's ``native`` entry
-
-
-def plan_native(
-    series: Series,
-    build: NativeBuild,
-    source: SourceTree,
-    image: str | None,
-    *,
-    setup: str | None = None,
-    cuda_home: str = DEFAULT_CUDA_HOME,
-) -> NativePlan | None:
-    """Patch ``build``'s inputs in ``source``; None when the series changes nothing there.
-
-    ``image`` is the real image the artifact is for (by id), or None for the pinned tree
-    without one: the only case that builds on the host.
-    """
-    tree = VirtualTree(source.root)
-    where = f"vLLM {source.version} source ({source.origin})"
-    applied, _landed = apply_subseries(series, tree, set(build.inputs), where)
-    if not applied:
-        return None
-    sources = {}
-    for rel in build.inputs:
-        text = tree.read(rel)
-        if text is not None:
-            sources[rel] = text.to_bytes()
-    patches = tuple(dict.fromkeys(i for ids in applied.values() for i in ids))
-    built_from = {
-        "vllm": source.version,
-        "sdist_sha256": source.sha256,
-        "files": sorted(sources),
-        "patches": list(patches),
-    }
-    builder = BuilderPlan(image, dict(sorted(sources.items())), setup, cuda_home) if image else None
-    return NativePlan(build.artifact, dict(sorted(sources.items())), patches, built_from, builder)
 
 
 def build_native(
