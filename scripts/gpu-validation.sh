@@ -3,7 +3,9 @@
 # the patched tree) and the cumem benchmarks, on one CUDA GPU. The doc's two extra commands
 # (the free bench with --rounds 4, the speed scenario alone at 16 GiB) are run by hand.
 #
-#   scripts/gpu-validation.sh prepare DIR       # where the tool can fetch (network, cache)
+#   scripts/gpu-validation.sh prepare DIR [VERSION]
+#                                               # where the tool can fetch (network, cache);
+#                                               # VERSION: that lane (default: the first)
 #   scripts/gpu-validation.sh run DIR OUT       # on the GPU host; needs no network
 #   scripts/gpu-validation.sh followup DIR OUT  # then: scenario 1 again, the wake bench,
 #                                               # the first sleep with 64 register threads
@@ -11,6 +13,9 @@
 #                                               # issue 12: every scenario (1-10, or the
 #                                               # comma-separated list given), fault stress
 #                                               # with 10,000 cycles
+#   scripts/gpu-validation.sh lane DIR OUT      # issue 14: every scenario on a lane's trees
+#                                               # in one run that fits 10 minutes (smaller
+#                                               # speed, stress and fault-stress sizes)
 #
 # prepare: the pinned tree (sm12x-bundle fetch) and the patched tree (sm12x-bundle apply),
 # each cut down to what the selftest uses (csrc/cumem_allocator*, and the vllm packages
@@ -24,6 +29,9 @@
 # followup.log.
 # transactions: writes env.txt, transactions.json, transactions-work.tar (each scenario's
 # own JSON) and transactions.log.
+# lane: writes env.txt, lane.json, lane-work.tar (each scenario's own JSON) and lane.log.
+# The slices of 0.33.0's trees are about 6 MB each: its cumem.py imports vllm.platforms and
+# vllm.utils.torch_utils, all inside the same folders as 0.21.0's.
 # Each stage has a time limit so that one slow stage cannot starve the others.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,13 +45,13 @@ slice_tree() {  # slice_tree SRC DEST
 }
 
 prepare() {
-  local dir=$1
+  local dir=$1 version=${2:-}
   set -e
   mkdir -p "$dir"
   local pinned patched
-  pinned=$(sm12x-bundle fetch -q)
+  pinned=$(sm12x-bundle fetch -q ${version:+--vllm "$version"})
   patched=$(mktemp -d)/vllm-patched
-  sm12x-bundle apply -q --out "$patched"
+  sm12x-bundle apply -q ${version:+--lane "$version"} --out "$patched"
   slice_tree "$pinned" "$dir/pristine"
   slice_tree "$patched" "$dir/patched"
   rm -rf "$(dirname "$patched")"
@@ -131,10 +139,23 @@ transactions() {
   tar -cf "$out/transactions-work.tar" -C /tmp selftest-work 2>/dev/null
 }
 
+lane() {
+  local dir=$1 out=$2
+  setup "$dir" "$out" lane.log
+
+  echo "== selftest --compare, every scenario (speed 16 GiB, stress 300 cycles, fault stress 2,000 cycles, seed 1)"
+  timeout 540 python3 -m sm12x_bundle selftest --compare "$dir/pristine" "$dir/patched" "${include[@]}" \
+    --speed-gib 16 --cycles 300 --fault-cycles 2000 --seed 1 --timeout 150 --work /tmp/selftest-work \
+    --json-out "$out/lane.json"
+  echo "selftest exit code: $?"
+  tar -cf "$out/lane-work.tar" -C /tmp selftest-work 2>/dev/null
+}
+
 case "${1:-}" in
-  prepare) prepare "${2:?DIR}" ;;
+  prepare) prepare "${2:?DIR}" "${3:-}" ;;
   run) run "${2:?DIR}" "${3:?OUT}" ;;
   followup) followup "${2:?DIR}" "${3:?OUT}" ;;
   transactions) transactions "${2:?DIR}" "${3:?OUT}" "${4:-}" ;;
-  *) echo "usage: $0 prepare DIR | run DIR OUT | followup DIR OUT | transactions DIR OUT [SCENARIOS]" >&2; exit 2 ;;
+  lane) lane "${2:?DIR}" "${3:?OUT}" ;;
+  *) echo "usage: $0 prepare DIR [VERSION] | run DIR OUT | followup DIR OUT | transactions DIR OUT [SCENARIOS] | lane DIR OUT" >&2; exit 2 ;;
 esac

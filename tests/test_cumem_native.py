@@ -1,7 +1,8 @@
-"""Building the cumem extension alone (native.py), and what patch 0003 changes in it.
+"""Building the cumem extension alone (native.py), and what the error-code reset changes in it.
 
-The plan tests need nothing. The native tests compile the pinned and the patched
-``csrc/cumem_allocator.cpp`` with native.py against a fake libcuda
+The plan tests need nothing. The native tests compile each lane's pinned and patched
+``csrc/cumem_allocator.cpp`` (0.21.0's patch 0003, 0.33.0's patch 0002) with native.py
+against a fake libcuda
 (stubs/fake_libcuda.c: the driver calls the extension makes, with failure injection
 and live-object counts) and drive each build in a fresh interpreter
 (stubs/cumem_scenarios.py): no GPU or driver needed, only a compiler and CUDA headers.
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from lanekit import LANES, lane_tree  # noqa: F401
 from sm12x_bundle import cmd, native
 from sm12x_bundle.errors import BundleError
 
@@ -148,17 +150,30 @@ def fake_libcuda(cuda_home, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def extensions(cuda_home, fake_libcuda, pinned_tree, patched_tree, tmp_path_factory) -> dict[str, Path]:
+def extensions(cuda_home, fake_libcuda, lane_tree, tmp_path_factory):
+    """``extensions(lane, variant)``: the extension built from that tree, built once."""
     out = tmp_path_factory.mktemp("cumem_ext")
-    return {
-        name: native.build_cumem_extension(tree, out / name, cuda_home=cuda_home, libcuda=fake_libcuda)
-        for name, tree in (("pinned", pinned_tree), ("patched", patched_tree))
-    }
+    built: dict[tuple[str, str], Path] = {}
+
+    def extension(lane: str, variant: str) -> Path:
+        if (lane, variant) not in built:
+            built[lane, variant] = native.build_cumem_extension(
+                lane_tree(lane, variant), out / lane / variant, cuda_home=cuda_home, libcuda=fake_libcuda
+            )
+        return built[lane, variant]
+
+    return extension
 
 
-def scenario(extensions, fake_libcuda, variant: str, name: str) -> dict:
+@pytest.fixture(params=LANES)
+def lane(request) -> str:
+    return request.param
+
+
+def scenario(extensions, fake_libcuda, variant: str, name: str, lane: str) -> dict:
+    ext = extensions(lane, variant)
     proc = cmd.run(
-        [sys.executable, STUBS / "cumem_scenarios.py", fake_libcuda / "libcuda.so.1", extensions[variant], name],
+        [sys.executable, STUBS / "cumem_scenarios.py", fake_libcuda / "libcuda.so.1", ext, name],
         env={**os.environ, "LD_LIBRARY_PATH": str(fake_libcuda)},
         echo=False,
     )
@@ -171,8 +186,8 @@ VARIANTS = pytest.mark.parametrize("variant", ["pinned", "patched"])
 @pytest.mark.native
 @pytest.mark.integration
 @VARIANTS
-def test_extension_builds_and_round_trips(extensions, fake_libcuda, variant):
-    got = scenario(extensions, fake_libcuda, variant, "healthy_round_trip")
+def test_extension_builds_and_round_trips(extensions, fake_libcuda, lane, variant):
+    got = scenario(extensions, fake_libcuda, variant, "healthy_round_trip", lane)
     one = {"handles": 1, "mappings": 1, "reservations": 1}
     assert got == {
         "allocated": one, "sleep_error": None, "asleep": {"handles": 0, "mappings": 0, "reservations": 1},
@@ -184,8 +199,8 @@ def test_extension_builds_and_round_trips(extensions, fake_libcuda, variant):
 @pytest.mark.integration
 @VARIANTS
 @pytest.mark.parametrize("failed_path", ["stale_after_free", "stale_after_malloc"])
-def test_failure_on_pytorch_path_does_not_fail_the_next_call(extensions, fake_libcuda, variant, failed_path):
-    got = scenario(extensions, fake_libcuda, variant, failed_path)
+def test_failure_on_pytorch_path_does_not_fail_the_next_call(extensions, fake_libcuda, lane, variant, failed_path):
+    got = scenario(extensions, fake_libcuda, variant, failed_path, lane)
     if variant == "pinned":
         stale = "an illegal memory access" if failed_path == "stale_after_free" else "out of memory"
         assert stale in got["wake_error"]  # a healthy wake raises the old error
@@ -196,8 +211,8 @@ def test_failure_on_pytorch_path_does_not_fail_the_next_call(extensions, fake_li
 @pytest.mark.native
 @pytest.mark.integration
 @VARIANTS
-def test_error_reported_is_the_failing_calls_own(extensions, fake_libcuda, variant):
-    got = scenario(extensions, fake_libcuda, variant, "own_error")
+def test_error_reported_is_the_failing_calls_own(extensions, fake_libcuda, lane, variant):
+    got = scenario(extensions, fake_libcuda, variant, "own_error", lane)
     expected = "an illegal memory access" if variant == "pinned" else "out of memory"
     assert got["wake_error"].startswith(f"CUDA Error: {expected}")
 
@@ -206,8 +221,8 @@ def test_error_reported_is_the_failing_calls_own(extensions, fake_libcuda, varia
 @pytest.mark.integration
 @VARIANTS
 @pytest.mark.parametrize("step", ["wake_map_fails", "wake_set_access_fails"])
-def test_failed_map_releases_the_physical_handle(extensions, fake_libcuda, variant, step):
-    got = scenario(extensions, fake_libcuda, variant, step)
+def test_failed_map_releases_the_physical_handle(extensions, fake_libcuda, lane, variant, step):
+    got = scenario(extensions, fake_libcuda, variant, step, lane)
     assert "out of memory" in got["error"]
     leaked = {"pinned": 1, "patched": 0}[variant]
     assert got["after_failure"]["handles"] == leaked
@@ -221,8 +236,8 @@ def test_failed_map_releases_the_physical_handle(extensions, fake_libcuda, varia
 @pytest.mark.native
 @pytest.mark.integration
 @VARIANTS
-def test_failed_malloc_leaves_nothing_behind(extensions, fake_libcuda, variant):
-    got = scenario(extensions, fake_libcuda, variant, "malloc_map_fails")
+def test_failed_malloc_leaves_nothing_behind(extensions, fake_libcuda, lane, variant):
+    got = scenario(extensions, fake_libcuda, variant, "malloc_map_fails", lane)
     assert got["malloc_returned"] == 0
     leaked = {"pinned": 1, "patched": 0}[variant]
     assert got["after"] == {"handles": leaked, "mappings": 0, "reservations": 0}
@@ -234,8 +249,8 @@ def test_failed_malloc_leaves_nothing_behind(extensions, fake_libcuda, variant):
 @pytest.mark.native
 @pytest.mark.integration
 @VARIANTS
-def test_failed_map_of_a_mapped_address_keeps_the_live_handle(extensions, fake_libcuda, variant):
-    got = scenario(extensions, fake_libcuda, variant, "wake_awake_allocation")
+def test_failed_map_of_a_mapped_address_keeps_the_live_handle(extensions, fake_libcuda, lane, variant):
+    got = scenario(extensions, fake_libcuda, variant, "wake_awake_allocation", lane)
     assert "invalid argument" in got["error"]  # cuMemMap: the address is mapped
     if variant == "pinned":
         # The slot names the new handle: the sleep releases it and leaks the live one.
@@ -247,6 +262,6 @@ def test_failed_map_of_a_mapped_address_keeps_the_live_handle(extensions, fake_l
     assert got["wake_error"] is None and got["awake"] == got["after_failure"]
 
 
-def test_extension_never_exits_the_process(patched_tree):
-    source = (patched_tree / native.SOURCE).read_text()
+def test_extension_never_exits_the_process(lane_tree, lane):
+    source = (lane_tree(lane, "patched") / native.SOURCE).read_text()
     assert not re.search(r"\b(?:std::)?(?:exit|_exit|abort|terminate)\s*\(", source)

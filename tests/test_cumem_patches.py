@@ -29,6 +29,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from lanekit import LANES, lane_tree  # noqa: E402, F401
 from sm12x_bundle.series.apply import VirtualTree  # noqa: E402
 from sm12x_bundle.series.probes import probe_matches  # noqa: E402
 
@@ -152,6 +153,27 @@ class FakeCuda:
             self.pool = None
 
 
+class CudaPlatform:
+    """vllm.platforms.current_platform as 0.33.0's cumem.py asks it: not ROCm."""
+
+    @staticmethod
+    def is_rocm() -> bool:
+        return False
+
+
+def load_tree_module(tree: Path, mod_name: str, monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """Run the tree's own file of ``mod_name`` as that module (a plain module: nothing
+    below it is importable from the tree, so 0003's backup pool stays out)."""
+    path = tree / (mod_name.replace(".", "/") + ".py")
+    if not path.is_file():
+        path = tree / mod_name.replace(".", "/") / "__init__.py"
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, mod_name, mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def load_cumem(tree: Path, fake: FakeCuda, monkeypatch: pytest.MonkeyPatch, name: str):
     """Import ``tree``'s cumem.py against ``fake``; only what its imports need is faked."""
 
@@ -164,6 +186,13 @@ def load_cumem(tree: Path, fake: FakeCuda, monkeypatch: pytest.MonkeyPatch, name
         module(pkg)
     module("vllm.logger", init_logger=logging.getLogger)
     module("vllm.utils.platform_utils", is_pin_memory_available=lambda: False)
+    # 0.33.0's cumem.py: AllocationData and the tag rule in the package's own
+    # __init__.py, the allocator config in alloc_conf.py (both run as they are).
+    module("vllm.platforms", current_platform=CudaPlatform())
+    module("vllm.utils.torch_utils", PIN_MEMORY=False)
+    if (tree / "vllm/device_allocator/alloc_conf.py").is_file():
+        load_tree_module(tree, "vllm.device_allocator", monkeypatch)
+        load_tree_module(tree, "vllm.device_allocator.alloc_conf", monkeypatch)
     module("vllm.utils.system_utils", find_loaded_library=lambda lib: f"/fake/{lib}.abi3.so")
     module(
         "vllm.cumem_allocator",
@@ -181,6 +210,7 @@ def load_cumem(tree: Path, fake: FakeCuda, monkeypatch: pytest.MonkeyPatch, name
     monkeypatch.setattr(torch.cuda, "synchronize", fake.synchronize)
     if hasattr(torch, "accelerator"):
         monkeypatch.setattr(torch.accelerator, "synchronize", fake.synchronize, raising=False)
+        monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None, raising=False)
     return mod
 
 
@@ -189,22 +219,38 @@ def variant(request) -> str:
     return request.param
 
 
+@pytest.fixture(params=LANES)
+def lane(request) -> str:
+    """The lane whose tree runs; a test of one lane's patch parametrizes it alone."""
+    return request.param
+
+
+ONLY_0_21 = pytest.mark.parametrize("lane", ["0.21.0"])  # 0.33.0 has the fix upstream
+
+
 @pytest.fixture
 def fake() -> FakeCuda:
     return FakeCuda()
 
 
 @pytest.fixture
-def alloc(request, variant, fake, monkeypatch):
-    """A fresh CuMemAllocator from the pinned or the patched tree."""
-    tree = request.getfixturevalue(f"{variant}_tree")
-    mod = load_cumem(tree, fake, monkeypatch, f"_cumem_under_test_{variant}")
+def alloc(lane_tree, lane, variant, fake, monkeypatch):
+    """A fresh CuMemAllocator from the lane's pinned or patched tree."""
+    mod = load_cumem(lane_tree(lane, variant), fake, monkeypatch, f"_cumem_under_test_{variant}")
     return mod.CuMemAllocator()
 
 
+def is_asleep(data) -> bool:
+    """0.33.0 names it is_asleep; 0.21.0 has none, its patch 0002 names it asleep."""
+    return getattr(data, "is_asleep", False) or getattr(data, "asleep", False)
+
+
 # --- 0001: stream-aware free ------------------------------------------------------
+# 0.33.0 synchronizes in the free callback (upstream), but its sleep() still unmaps
+# with work queued: the 0.33.0 lane's 0001 adds the once-per-device synchronize.
 
 
+@ONLY_0_21
 def test_free_callback_synchronizes_before_unmap(variant, fake, alloc):
     a = fake.my_malloc(alloc, 4096)
     fake.launch(0, a)
@@ -236,6 +282,7 @@ def test_sleep_synchronizes_each_device_once_before_unmapping(variant, fake, all
         assert all(kind != "sync" for kind, _ in fake.events[first_unmap:])
 
 
+@ONLY_0_21
 def test_pool_exit_sweep_synchronizes_once_before_unmapping(variant, fake, alloc):
     with alloc.use_memory_pool(tag="weights"):
         kept = fake.my_malloc(alloc, 4096)
@@ -263,7 +310,11 @@ def test_patched_synchronizes_only_when_something_is_unmapped(fake, request, mon
     assert fake.syncs() == [] and set(fake.memory) == set(addrs)
 
 
-# --- 0002: wake_up rollback -------------------------------------------------------
+# --- wake_up rollback (0.21.0's 0002, 0.33.0's 0001) -----------------------------------
+# 0.33.0 wakes only what is asleep, so a retry resumes where a failed wake stopped
+# (not "invalid argument" forever, as in 0.21.0); but the failed wake still keeps what
+# it mapped, and an allocation whose copy back failed counts as awake and never gets
+# its bytes back.
 
 LAYOUT = [("weights", 4096), ("weights", 8192), ("kv_cache", 2 * 4096), ("weights", 12288), ("weights", 4096)]
 
@@ -295,7 +346,7 @@ def assert_woken_intact(fake: FakeCuda, alloc, addrs: list[int], data: dict[int,
 
 
 @pytest.mark.parametrize("k", [2, 3, 5])
-def test_wake_up_failing_at_allocation_k_rolls_back(variant, fake, alloc, k):
+def test_wake_up_failing_at_allocation_k_rolls_back(lane, variant, fake, alloc, k):
     addrs, data = asleep_with_data(fake, alloc)
     before = state(alloc)
     fake.fail_map_at = fake.map_calls + k
@@ -305,8 +356,9 @@ def test_wake_up_failing_at_allocation_k_rolls_back(variant, fake, alloc, k):
     if variant == "pinned":
         assert set(fake.memory) == set(addrs[: k - 1])  # left mapped, backups dropped
         assert state(alloc) != before
-        with pytest.raises(RuntimeError, match="invalid argument"):
-            alloc.wake_up()  # and every retry fails on the address still mapped
+        if lane == "0.21.0":
+            with pytest.raises(RuntimeError, match="invalid argument"):
+                alloc.wake_up()  # and every retry fails on the address still mapped
         return
     assert fake.memory == {}
     assert state(alloc) == before
@@ -318,7 +370,7 @@ def test_wake_up_failing_at_allocation_k_rolls_back(variant, fake, alloc, k):
     assert_woken_intact(fake, alloc, addrs, data)
 
 
-def test_wake_up_failing_in_copy_back_rolls_back(variant, fake, alloc):
+def test_wake_up_failing_in_copy_back_rolls_back(lane, variant, fake, alloc):
     addrs, data = asleep_with_data(fake, alloc)
     before = state(alloc)
     fake.fail_copy_to = addrs[1]
@@ -328,8 +380,12 @@ def test_wake_up_failing_in_copy_back_rolls_back(variant, fake, alloc):
     if variant == "pinned":
         assert set(fake.memory) == set(addrs[:2])
         assert alloc.pointer_to_data[addrs[0]].cpu_backup_tensor is None  # its data only lives on
-        with pytest.raises(RuntimeError, match="invalid argument"):
+        if lane == "0.21.0":
+            with pytest.raises(RuntimeError, match="invalid argument"):
+                alloc.wake_up()
+        else:  # the retry resumes, but counts addrs[1] as awake: its bytes are lost
             alloc.wake_up()
+            assert bytes(fake.memory[addrs[1]]) != data[addrs[1]]
         return
     assert fake.memory == {} and state(alloc) == before
     assert "tag 'weights', 8192 bytes" in str(failure.value)
@@ -338,7 +394,7 @@ def test_wake_up_failing_in_copy_back_rolls_back(variant, fake, alloc):
     assert_woken_intact(fake, alloc, addrs, data)
 
 
-def test_failed_wake_up_leaves_what_earlier_calls_woke(variant, fake, alloc):
+def test_failed_wake_up_leaves_what_earlier_calls_woke(lane, variant, fake, alloc):
     addrs, data = asleep_with_data(fake, alloc)
     kv = addrs[2]
     alloc.wake_up(tags=["kv_cache"])
@@ -348,40 +404,49 @@ def test_failed_wake_up_leaves_what_earlier_calls_woke(variant, fake, alloc):
     fake.fail_map_at = None
     if variant == "pinned":
         assert set(fake.memory) == {kv, addrs[0]}
-        with pytest.raises(RuntimeError, match="invalid argument"):
-            alloc.wake_up(tags=["weights"])
+        if lane == "0.21.0":
+            with pytest.raises(RuntimeError, match="invalid argument"):
+                alloc.wake_up(tags=["weights"])
         return
     assert set(fake.memory) == {kv}
     alloc.wake_up(tags=["weights"])
     assert_woken_intact(fake, alloc, addrs, data)
 
 
-# --- 0002: wake_up wakes only what is asleep ----------------------------------------
+# --- wake_up wakes only what is asleep (0.21.0's 0002; upstream in 0.33.0: a guard) ---
 
 
-def test_second_wake_up_wakes_nothing(variant, fake, alloc, caplog):
+def pristine_bug(lane: str, variant: str) -> bool:
+    """Whether the pristine tree of the lane has the bug a guard test looks at:
+    0.33.0 already wakes only what is asleep and sleeps only what is awake."""
+    return variant == "pinned" and lane == "0.21.0"
+
+
+def test_second_wake_up_wakes_nothing(lane, variant, fake, alloc, caplog):
     addrs, data = asleep_with_data(fake, alloc)
     alloc.wake_up()
     maps = fake.map_calls
-    if variant == "pinned":
+    if pristine_bug(lane, variant):
         with pytest.raises(RuntimeError, match="invalid argument"):
             alloc.wake_up()  # maps again an address that is mapped
         return
     with caplog.at_level(logging.INFO):
         alloc.wake_up()
-    assert fake.map_calls == maps and "nothing is asleep" in caplog.text
+    assert fake.map_calls == maps
+    if lane == "0.21.0":
+        assert "nothing is asleep" in caplog.text
     assert_woken_intact(fake, alloc, addrs, data)
     alloc.sleep(offload_tags=("weights",))  # and the allocator sleeps and wakes as before
     alloc.wake_up()
     assert_woken_intact(fake, alloc, addrs, data)
 
 
-def test_wake_up_by_tag_subsets_in_any_order(variant, fake, alloc):
+def test_wake_up_by_tag_subsets_in_any_order(lane, variant, fake, alloc):
     addrs, data = asleep_with_data(fake, alloc)
     alloc.wake_up(tags=["weights"])
     alloc.wake_up(tags=["kv_cache"])
     assert set(fake.memory) == set(addrs)
-    if variant == "pinned":
+    if pristine_bug(lane, variant):
         with pytest.raises(RuntimeError, match="invalid argument"):
             alloc.wake_up()
         return
@@ -390,7 +455,7 @@ def test_wake_up_by_tag_subsets_in_any_order(variant, fake, alloc):
     assert_woken_intact(fake, alloc, addrs, data)
 
 
-# --- 0002: sleep() is all or nothing ------------------------------------------------
+# --- sleep() is all or nothing (0.21.0's 0002, 0.33.0's 0001) ---------------------------
 
 
 class HostAllocationFails:
@@ -431,7 +496,7 @@ def assert_untouched(fake: FakeCuda, alloc, addrs: list[int], data: dict[int, by
         if tag in tags:
             assert bytes(fake.memory[a]) == data[a], f"{tag} at {a:#x} lost its bytes"
         d = alloc.pointer_to_data[a]
-        assert d.cpu_backup_tensor is None and not getattr(d, "asleep", False)
+        assert d.cpu_backup_tensor is None and not is_asleep(d)
 
 
 @pytest.mark.parametrize("k", [2, 4])  # the k-th of the 4 weights' backups fails
@@ -492,15 +557,83 @@ def test_sleep_failing_to_unmap_maps_back_what_it_unmapped(variant, fake, alloc)
     assert_woken_intact(fake, alloc, addrs, data)
 
 
-def test_sleep_twice_sleeps_once(variant, fake, alloc):
+def test_sleep_twice_sleeps_once(lane, variant, fake, alloc):
     addrs, data = asleep_with_data(fake, alloc)
-    if variant == "pinned":
+    if pristine_bug(lane, variant):
         with pytest.raises(RuntimeError):
             alloc.sleep(offload_tags=("weights",))  # copies out of unmapped memory
         return
     alloc.sleep(offload_tags=("weights",))
     alloc.wake_up()
     assert_woken_intact(fake, alloc, addrs, data)
+
+
+# --- discard() beside the transactions (0.33.0) ---------------------------------------
+# 0.33.0's discard(tags) unmaps the awake allocations of its tags without a backup and
+# skips the asleep ones. The transactions leave no allocation half-done between calls,
+# so discard never sees one mid-transaction; what it discarded wakes (and rolls back)
+# like any allocation without a backup, and it keeps the backup of one asleep.
+
+ONLY_0_33 = pytest.mark.parametrize("lane", ["0.33.0"])
+
+
+@ONLY_0_33
+def test_failed_wake_up_rolls_back_a_discarded_allocation(variant, fake, alloc):
+    addrs, data = awake_with_data(fake, alloc)
+    kv = addrs[2]
+    alloc.discard("kv_cache")
+    assert set(fake.memory) == set(addrs) - {kv}
+    alloc.sleep(offload_tags=("weights",))
+    fake.fail_map_at = fake.map_calls + 4  # LAYOUT[3]: after two weights and the kv cache
+    with pytest.raises(RuntimeError):
+        alloc.wake_up()
+    fake.fail_map_at = None
+    if variant == "pinned":
+        assert set(fake.memory) == set(addrs[:3])  # kept what the failed wake mapped
+        return
+    assert fake.memory == {}
+    data_kv = alloc.pointer_to_data[kv]
+    assert is_asleep(data_kv) and data_kv.cpu_backup_tensor is None
+    alloc.wake_up()
+    assert_woken_intact(fake, alloc, addrs, data)
+
+
+@ONLY_0_33
+def test_discard_keeps_the_backup_of_an_asleep_allocation(variant, fake, alloc):
+    addrs, data = asleep_with_data(fake, alloc)
+    maps, unmaps = fake.map_calls, fake.unmap_calls
+    alloc.discard("weights")
+    assert (fake.map_calls, fake.unmap_calls) == (maps, unmaps)
+    alloc.wake_up()
+    assert_woken_intact(fake, alloc, addrs, data)
+
+
+@ONLY_0_33
+def test_discard_after_a_failed_sleep(variant, fake, alloc, monkeypatch):
+    addrs, data = awake_with_data(fake, alloc)
+    monkeypatch.setattr(sys.modules[type(alloc).__module__], "torch", HostAllocationFails(2))
+    with pytest.raises(RuntimeError):
+        alloc.sleep(offload_tags=("weights",))
+    if variant == "pinned":
+        assert set(fake.memory) != set(addrs)  # the first weight unmapped under its tensor
+        return
+    alloc.discard("kv_cache")
+    assert set(fake.memory) == set(addrs) - {addrs[2]}
+    alloc.sleep(offload_tags=("weights",))
+    alloc.wake_up()
+    assert_woken_intact(fake, alloc, addrs, data)
+
+
+# --- what the selftest reads of each lane's allocator ------------------------------------
+
+
+def test_selftest_finds_the_one_pool_kept_for_a_tag(variant, fake, alloc):
+    from sm12x_bundle.selftest.scenarios import kept_pool
+
+    with alloc.use_memory_pool(tag="selftest-stale-drop"):
+        fake.my_malloc(alloc, 4096)
+    pool, _allocator = kept_pool(alloc.allocator_and_pools["selftest-stale-drop"])
+    assert pool is not None and not isinstance(pool, (list, tuple))
 
 
 # --- probes -----------------------------------------------------------------------
@@ -517,8 +650,3 @@ def test_stream_aware_free_probe_sees_only_the_fixed_trees(series, pinned_tree, 
     assert all(probe_matches(VirtualTree(patched_tree), p) for p in probes)
 
 
-@pytest.mark.parametrize("version", ["0.26.0", "0.33.0"])
-def test_stream_aware_free_probe_recognises_upstream_fix(series, release_source, version):
-    # 0.26.0 wrote torch.cuda.synchronize(data.handle[0]); 0.33.0 torch.accelerator.synchronize.
-    tree = VirtualTree(release_source(version).root)
-    assert all(probe_matches(tree, p) for p in _probes(series, "cumem-stream-aware-free"))

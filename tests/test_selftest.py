@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from lanekit import LANES, lane_tree  # noqa: F401
 from sm12x_bundle import cmd, native
 from sm12x_bundle.cli import main
 from sm12x_bundle.errors import BundleError, CommandError, ConfigError
@@ -103,9 +104,10 @@ def test_given_sizes_are_used_and_checked_against_free_memory():
 # --- the verdict ------------------------------------------------------------------------------
 
 
-def compare_report(outcomes: dict[tuple[str, str], str]) -> Report:
+def compare_report(outcomes: dict[tuple[str, str], str], version: str | None = None) -> Report:
     results = [ScenarioResult(name, label, kind, f"{label} {name} {kind}", 1.0) for (label, name), kind in outcomes.items()]
-    targets = [TargetInfo("pristine", "/p", "/p/cumem.py", "/w/p.so"), TargetInfo("patched", "/q", "/q/cumem.py", "/w/q.so")]
+    targets = [TargetInfo("pristine", "/p", "/p/cumem.py", "/w/p.so", version=version),
+               TargetInfo("patched", "/q", "/q/cumem.py", "/w/q.so", version=version)]
     return Report("compare", targets, {}, {}, results)
 
 
@@ -589,6 +591,25 @@ def test_a_regression_guard_holds_whatever_pristine_does():
     assert report.row_verdict(rep, guard) == (False, "patched does not pass")
 
 
+def test_a_bug_fixed_upstream_only_guards_on_that_release():
+    """0.33.0's own code fixes scenario 9 (its wake_up resumes): its pristine tree passing
+    it proves no patch, and is no failure; on 0.21.0 the same pristine pass is a proof
+    without teeth."""
+    assert [s.number for s in plan.SCENARIOS if s.proves("0.33.0")] == [1, 2, 3, 7, 8, 11, 12]
+    assert [s.number for s in plan.SCENARIOS if s.guards("0.33.0")] == [6, 9]
+    assert [s.number for s in plan.SCENARIOS if s.proves("0.21.0")] == [1, 2, 3, 7, 8, 9, 11, 12]
+    assert plan.BY_NAME["foreign-process"].proves("0.33.0.post1") is False  # from the release named, on
+    assert plan.BY_NAME["foreign-process"].proves("0.26.0") is True
+    assert plan.BY_NAME["foreign-process"].proves("not-a-version") is True
+    for before in (PASS, FAIL):
+        rep = compare_report(PROVEN | {("pristine", "foreign-process"): before}, version="0.33.0")
+        assert report.holds(rep)
+        assert report.row_verdict(rep, plan.BY_NAME["foreign-process"]) == (
+            True, f"regression guard (pristine {before.upper()}; fixed upstream from 0.33.0): not a proof")
+    rep = compare_report(PROVEN | {("pristine", "foreign-process"): PASS}, version="0.21.0")
+    assert report.row_verdict(rep, plan.BY_NAME["foreign-process"]) == (False, "no teeth: pristine passes too")
+
+
 def test_transaction_scenario_sizes_on_an_h200_and_a_small_gpu():
     s = plan.plan_sizes(H200_FREE)
     assert (s.churn_min, s.churn_max, s.churn_buffers) == (1 * GiB, 3 * GiB, 16)
@@ -644,22 +665,28 @@ def test_stage_builds_the_pinned_extension_alone_without_a_driver(pinned_tree, f
 
 @pytest.mark.native
 @pytest.mark.integration
-def test_the_pinned_cumem_py_loads_against_its_built_extension_on_a_cpu(pinned_tree, fake_libcuda, tmp_path):
-    """The real loader on the real tree, as far as a machine without a GPU goes:
-    cumem_available is True, and cumem.py found the extension built from the tree."""
+@pytest.mark.parametrize("variant", ["pinned", "patched"])
+@pytest.mark.parametrize("lane", LANES)
+def test_each_lanes_cumem_py_loads_against_its_built_extension_on_a_cpu(lane_tree, lane, variant, fake_libcuda,
+                                                                        tmp_path):
+    """The real loader on each lane's real trees, as far as a machine without a GPU goes:
+    cumem_available is True, cumem.py found the extension built from the tree, and the
+    tree says which release it is (what decides the scenarios upstream has fixed)."""
     for module in ("torch", "numpy", "packaging", "psutil", "regex", "zmq", "urllib3"):
         pytest.importorskip(module)
     cudart = next(iter(sorted(Path(native.find_cuda_home()).glob("lib*/libcudart.so*"))), None)
     if cudart is None:
         pytest.skip("no libcudart in the CUDA toolkit")
-    ext = native.build_cumem_extension(pinned_tree, tmp_path / "ext", libcuda=fake_libcuda)
+    tree = lane_tree(lane, variant)
+    ext = native.build_cumem_extension(tree, tmp_path / "ext", libcuda=fake_libcuda)
     env = runner.child_env({"LD_LIBRARY_PATH": str(fake_libcuda), "VLLM_CUDART_SO_PATH": str(cudart)})
-    code = (f"from pathlib import Path; from sm12x_bundle.selftest import loader; "
-            f"l = loader.load(Path({str(pinned_tree)!r}), Path({str(ext)!r})); "
-            f"print(l.cumem.cumem_available, l.extension)")
+    code = (f"import sys; from pathlib import Path; from sm12x_bundle.selftest import loader, scenarios; "
+            f"l = loader.load(Path({str(tree)!r}), Path({str(ext)!r})); "
+            f"print(sys.modules['vllm'].__version__, scenarios.pin_memory(l.cumem), l.cumem.cumem_available, "
+            f"l.extension)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split()[-2:] == ["True", str(ext.resolve())]
+    assert proc.stdout.split()[-4:] == [lane, "True", "True", str(ext.resolve())]
 
 
 def test_help_names_exactly_the_scenarios_that_prove_a_fix(capsys):
@@ -673,5 +700,35 @@ def test_help_names_exactly_the_scenarios_that_prove_a_fix(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert text.count("scenarios 1-3, 7-9, 11 and 12 fail on") == 1
     assert "scenarios 1-3, 7-9, 11 and 12 and the patched tree" in text
+    upstream = [s for s in selftest_plan.SCENARIOS if s.upstream_from]
+    assert [(s.number, s.upstream_from) for s in upstream] == [(9, "0.33.0")]
+    assert "9 only guards on vLLM 0.33.0 and later" in text
     for s in selftest_plan.SCENARIOS:
         assert f" {s.number} {s.name} " in text
+
+
+@pytest.mark.integration
+def test_compare_without_trees_uses_the_lane_named(tmp_path):
+    import argparse
+
+    from sm12x_bundle import config as config_mod
+    from sm12x_bundle.context import Context
+    from sm12x_bundle.progress import Progress
+    from sm12x_bundle.selftest import resolve_targets
+
+    ctx = Context(config_mod.parse(config_mod.default_text(), "<embedded default>", tmp_path), Progress.quiet())
+    args = argparse.Namespace(installed=False, tree=None, compare=[], lane="0.33.0")
+    pristine, patched = resolve_targets(ctx, args, tmp_path)
+    assert pristine.tree == ctx.source("0.33.0").root
+    cumem = "vllm/device_allocator/cumem.py"
+    assert (patched.tree / cumem).read_text() != (pristine.tree / cumem).read_text()
+    assert "_roll_back_wake_up" in (patched.tree / cumem).read_text()
+    with pytest.raises(BundleError, match=r"--lane 0\.26\.0: the configuration has no such lane"):
+        resolve_targets(ctx, argparse.Namespace(installed=False, tree=None, compare=[], lane="0.26.0"), tmp_path)
+
+
+def test_lane_goes_with_compare_without_trees(fake_gpu, capsys):
+    fake_gpu({})
+    with pytest.raises(SystemExit) as exc:
+        main(["selftest", "-q", "--tree", str(fake_gpu.trees["patched"]), "--lane", "0.33.0"])
+    assert exc.value.code == 2 and "--lane goes with --compare and no trees" in capsys.readouterr().err

@@ -44,6 +44,7 @@ scenarios (each in its own process; --scenario NAME or NUMBER, repeatable):
 examples:
   sm12x-bundle selftest --installed                 # the vLLM of this Python (bundle image)
   sm12x-bundle selftest --compare                   # the pinned tree, then the same tree patched
+  sm12x-bundle selftest --compare --lane 0.33.0     # the same for the 0.33.0 lane
   sm12x-bundle selftest --compare PRISTINE PATCHED --json-out selftest.json
   sm12x-bundle selftest --tree build/vllm-patched --scenario stress --cycles 5000"""
 
@@ -51,7 +52,7 @@ examples:
 EXIT_CODES = {
     "selftest": {
         0: "every scenario passes (--compare: the pristine tree fails scenarios 1-3, 7-9, 11 and 12 and the "
-        "patched tree passes every scenario)",
+        "patched tree passes every scenario; 9 only guards on vLLM 0.33.0 and later, whose wake_up resumes)",
         2: "could not run: the command line is malformed, this node lacks what the selftest needs "
         "(a GPU, the cumem allocator, CUDA or Python headers: the message names it), or an "
         "unexpected failure (a bug)",
@@ -73,7 +74,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     which.add_argument("--installed", action="store_true", help="the vLLM installed in this Python, as it is")
     which.add_argument("--compare", nargs="*", type=arguments.existing_folder, metavar="TREE",
                        help="PRISTINE PATCHED: show that scenarios 1-3, 7-9, 11 and 12 fail on the first and pass on the second "
-                            "(no trees: the pinned tree and the same tree with the series applied)")
+                            "(no trees: the pinned tree of --lane and the same tree with its series applied)")
+    p.add_argument("--lane", type=arguments.version, metavar="VERSION",
+                   help="with --compare and no trees: the lane whose pin and series are compared "
+                        "(default: the config's first lane)")
     p.add_argument("--scenario", action="append", type=_scenario, metavar="NAME",
                    help="run only this scenario (repeatable)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -115,6 +119,8 @@ def _scenario(value: str) -> str:
 def _check_args(args: argparse.Namespace) -> str | None:
     if args.compare is not None and len(args.compare) not in (0, 2):
         return f"--compare takes two trees (PRISTINE PATCHED) or none, not {len(args.compare)}"
+    if args.lane and args.compare != []:
+        return "--lane goes with --compare and no trees (a tree given names its own release)"
     return None
 
 
@@ -128,12 +134,14 @@ def resolve_targets(ctx: Context, args: argparse.Namespace, work: Path) -> list[
         return [Target("pristine", Path(trees[0]).resolve()), Target("patched", Path(trees[1]).resolve())]
     if trees:
         raise ConfigError(f"--compare takes two trees (PRISTINE PATCHED) or none, not {len(trees)}")
+    from ..cli import named_lane
     from ..outputs.tree import write_tree
 
-    source = ctx.source()
+    lane = named_lane(ctx, args.lane) if args.lane else ctx.lanes[0]
+    source = ctx.source(lane.version)
     patched = work / "patched-tree"
-    ctx.progress.say(f"applying the series to vLLM {source.version} in {patched}")
-    write_tree(ctx.series, source, patched, ctx.config.check.fuzz)
+    ctx.progress.say(f"applying the {lane.version} lane's series to vLLM {source.version} in {patched}")
+    write_tree(lane.series, source, patched, ctx.config.check.fuzz)
     return [Target("pristine", source.root), Target("patched", patched)]
 
 
@@ -183,6 +191,7 @@ def _target_info(staged: runner.Staged, probe: dict) -> report.TargetInfo:
         build=staged.build,
         placeholders=list(probe.get("placeholders", [])),
         platform=probe.get("platform"),
+        version=probe.get("vllm_version"),
     )
 
 

@@ -44,6 +44,7 @@ class TargetInfo:
     build: list[str] | None = None  # the compiler command, when built here
     placeholders: list[str] = field(default_factory=list)  # vllm._C & co., absent from a source tree
     platform: str | None = None  # the vLLM platform class cumem.py saw
+    version: str | None = None  # the vLLM release the tree says it is (vllm.__version__)
 
 
 @dataclass
@@ -59,6 +60,14 @@ class Report:
             if r.target == target and r.scenario == scenario:
                 return r
         return None
+
+    def version(self) -> str | None:
+        """The release under test (the pristine tree's when comparing): it decides
+        which bug scenarios upstream has fixed, and so only guard."""
+        for t in self.targets:
+            if t.label == "pristine":
+                return t.version
+        return self.targets[0].version if self.targets else None
 
     def scenarios(self) -> list[Scenario]:
         names = {r.scenario for r in self.results}
@@ -76,10 +85,11 @@ def row_verdict(report: Report, scenario: Scenario) -> tuple[bool, str]:
     before, after = report.result("pristine", scenario.name), report.result("patched", scenario.name)
     if after is None or after.outcome != PASS:
         return False, "patched does not pass"
-    if scenario.guard:
+    if scenario.guards(report.version()):
         seen = before.outcome.upper() if before else "not run"
-        return True, f"regression guard (pristine {seen}): not a proof"
-    if not scenario.bug:
+        upstream = "" if scenario.guard else f"; fixed upstream from {scenario.upstream_from}"
+        return True, f"regression guard (pristine {seen}{upstream}): not a proof"
+    if not scenario.proves(report.version()):
         return True, "pass"
     if before is None:
         return False, "pristine not run"

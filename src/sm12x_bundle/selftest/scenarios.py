@@ -145,6 +145,14 @@ def driver_version() -> str:
 # --- the probe ---------------------------------------------------------------------------
 
 
+def pin_memory(cumem) -> bool:
+    """Whether the tree's cumem.py pins its backups: 0.21.0 asks is_pin_memory_available(),
+    0.33.0 reads PIN_MEMORY once at import."""
+    if hasattr(cumem, "PIN_MEMORY"):
+        return bool(cumem.PIN_MEMORY)
+    return bool(cumem.is_pin_memory_available())
+
+
 def probe(torch, loaded) -> dict:
     import vllm.platforms
 
@@ -169,7 +177,8 @@ def probe(torch, loaded) -> dict:
         # (which reads the installed version) does not activate; cumem.py asks the
         # platform only is_rocm() and is_pin_memory_available().
         platform=type(vllm.platforms.current_platform).__name__,
-        pin_memory=bool(loaded.cumem.is_pin_memory_available()),
+        pin_memory=pin_memory(loaded.cumem),
+        vllm_version=getattr(sys.modules["vllm"], "__version__", None),
     )
 
 
@@ -221,6 +230,12 @@ def inflight_free(torch, cumem, p: dict) -> dict:
 # --- 2 stale error ---------------------------------------------------------------------------
 
 
+def kept_pool(kept) -> tuple:
+    """(MemPool, allocator) of a tag's one memory pool: 0.21.0 keeps the pair per tag,
+    0.33.0 a list of pairs (one per use_memory_pool of the tag)."""
+    return kept[0] if isinstance(kept, list) else kept
+
+
 def stale_error(torch, cumem, p: dict) -> dict:
     alloc = cumem.CuMemAllocator.get_instance()
     n = p["stale_bytes"] // 8
@@ -235,7 +250,7 @@ def stale_error(torch, cumem, p: dict) -> dict:
     del drop
     # Drop the pool while asleep: PyTorch releases its cached segment through the
     # extension's my_free, whose unmap fails (the segment is not mapped).
-    pool, allocator = alloc.allocator_and_pools.pop("selftest-stale-drop")
+    pool, allocator = kept_pool(alloc.allocator_and_pools.pop("selftest-stale-drop"))
     with captured_stderr() as printed:
         del pool
         gc.collect()
