@@ -10,11 +10,14 @@ layer wiring and envs.py, and the pinned helpers the kernels are compared with
 stand-ins for the few vLLM modules they import.
 
     python bench/sparse_mla_bench.py --tree PATCHED_TREE --out DIR [--sections ...]
-        [--baseline OLD_ATTENTION_PY]
+        [--baseline OLD_ATTENTION_PY] [--kernel ATTENTION_PY] [--flashmla DIR]
 
 Sections: env, smem, sweep, correctness, layer, decode, reference, prefill,
 indexer (the sparse indexer's Triton MQA logits), einsum (the output
-projection's Triton fp8 einsum).
+projection's Triton fp8 einsum), flashmla (our decode over FlashMLA's sparse
+FP8 decode from the vLLM 0.21.0 wheel, same tensors, same run; --flashmla DIR),
+flashmla_sweep (our decode at those shapes for each candidate configuration
+and split count).
 Prints a report and writes DIR/sparse_mla_bench.json.
 """
 
@@ -529,6 +532,139 @@ def section_prefill(args, mla, mm_tflops):
     RESULTS["prefill_perf"] = rows
 
 
+# ------------------------------------------------------------- against FlashMLA
+
+# The decode shapes of the FlashMLA comparison: heads per rank, top-k, batch
+# (window 128, a 32K-token context).
+FM_HEADS, FM_TOPKS, FM_BATCHES = (16, 32, 64, 128), (512, 2048), (1, 64, 256)
+FM_SWEEP = [(16, 16, 4, 1), (16, 32, 4, 1), (16, 64, 4, 1), (32, 16, 4, 1), (32, 32, 4, 1),
+            (32, 32, 8, 1), (64, 16, 8, 1), (64, 32, 8, 1), (64, 64, 8, 1), (16, 32, 4, 2),
+            (64, 32, 8, 2)]
+FM_SPLITS = (None, 1, 2, 4, 8, 16, 32, 64)
+
+
+def load_flashmla(folder: Path):
+    """FlashMLA from the vLLM 0.21.0 wheel without vLLM: its compiled ops
+    (vllm/_flashmla_C.abi3.so, loaded into torch.ops) and its Python interface
+    (vllm/third_party/flashmla/flash_mla_interface.py), extracted into FOLDER."""
+    torch.ops.load_library(str(folder / "vllm/_flashmla_C.abi3.so"))
+    _stub("vllm._flashmla_C")  # the interface imports it for its side effect only
+    return load(folder, "vllm/third_party/flashmla/flash_mla_interface.py", "flashmla_iface")
+
+
+def context_pools(cache_utils):
+    """The SWA pool and the C4A pool of a 32K-token context (page 64), written by
+    the pinned tree's own cache writer."""
+    swa, c4 = paged_cache(32768, 64), paged_cache(32768 // 4, 64)
+    fill_cache(cache_utils, swa)
+    fill_cache(cache_utils, c4)
+    return swa, c4
+
+
+def flashmla_decode(fm, q, swa, c4, si, sl, ti, tl_, sink, scale, out):
+    """A decode call as 0.21.0's DeepseekV4MLAAttention._forward_decode makes it:
+    heads padded, SWA cache as k_cache, the compressed cache as extra_k_cache.
+    The scheduler plan is made by the first call and reused, as every layer of a
+    type after the first reuses it within a decode step."""
+    meta = fm.get_mla_metadata()[0]
+    return lambda: fm.flash_mla_with_kvcache(
+        q=q.unsqueeze(1), k_cache=swa.unsqueeze(-2), block_table=None, cache_seqlens=None,
+        head_dim_v=DIM, tile_scheduler_metadata=meta, is_fp8_kvcache=True, indices=si,
+        topk_length=sl, softmax_scale=scale, attn_sink=sink, extra_k_cache=c4.unsqueeze(-2),
+        extra_indices_in_kvcache=ti, extra_topk_length=tl_, out=out.unsqueeze(1))
+
+
+def fm_reference(q, swa_rows, c4_rows, si, sl, ti, tl_, sink, scale, H):
+    keys = torch.cat([swa_rows[si[:, 0].long().clamp(min=0)],
+                      c4_rows[ti[:, 0].long().clamp(min=0)]], 1).double()
+    pos_s = torch.arange(si.shape[-1], device=q.device)
+    pos_t = torch.arange(ti.shape[-1], device=q.device)
+    valid = torch.cat([(pos_s[None] < sl[:, None]) & (si[:, 0] >= 0),
+                       (pos_t[None] < tl_[:, None]) & (ti[:, 0] >= 0)], 1)
+    return reference_attention(q, keys, valid, scale, sink, H)
+
+
+def section_flashmla(args, mla, cache_utils, rocm, baseline=None):
+    """Our decode over FlashMLA's, same tensors, same run; both checked against
+    float64 at batch <= 64 (the pinned tree's dequantizer gives the rows)."""
+    fm = load_flashmla(args.flashmla)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    swa, c4 = context_pools(cache_utils)
+    swa_rows = rocm.rocm_dequantize_blocked_k_cache(swa, DIM, 448, 64).view(-1, DIM)
+    c4_rows = rocm.rocm_dequantize_blocked_k_cache(c4, DIM, 448, 64).view(-1, DIM)
+    scale, rows = 1 / math.sqrt(576), []
+    for H in FM_HEADS:
+        for topk in FM_TOPKS:
+            for T in FM_BATCHES:
+                q, si, sl, ti, tl_, sink = decode_inputs(T, H, topk, 128, swa, c4, gen)
+                out, out_fm = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
+
+                def ours(kernel=mla):
+                    return lambda: kernel.sparse_mla_decode(
+                        q, swa, si, sl, out, scale, sink, c4, ti, tl_, num_heads=H)
+
+                theirs = flashmla_decode(fm, q, swa, c4, si, sl, ti, tl_, sink, scale, out_fm)
+                ours()()
+                theirs()
+                row = {"H": H, "Hp": padded_heads(H), "topk": topk, "T": T,
+                       "rel_diff_vs_flashmla": rel_err(out[:, :H], out_fm[:, :H].double())}
+                if T <= 64:
+                    ref = fm_reference(q, swa_rows, c4_rows, si, sl, ti, tl_, sink, scale, H)
+                    row.update(rel_err=rel_err(out[:, :H], ref[:, :H]),
+                               flashmla_rel_err=rel_err(out_fm[:, :H], ref[:, :H]))
+                    del ref
+                row["us"] = timed(ours(), iters=50)
+                row["flashmla_us"] = timed(theirs, iters=50)
+                row["ratio"] = row["us"] / row["flashmla_us"]
+                note = ""
+                if baseline is not None:
+                    row["baseline_us"] = timed(ours(baseline), iters=50)
+                    row["baseline_ratio"] = row["baseline_us"] / row["flashmla_us"]
+                    note = f"; before {row['baseline_us']:.1f} us ({row['baseline_ratio']:.2f})"
+                rows.append(row)
+                log(f"vs FlashMLA H={H}/{padded_heads(H)} topk={topk} T={T}: ours "
+                    f"{row['us']:.1f} us, FlashMLA {row['flashmla_us']:.1f} us, ratio "
+                    f"{row['ratio']:.2f}{note}; rel err {row.get('rel_err', float('nan')):.1e} "
+                    f"(FlashMLA {row.get('flashmla_rel_err', float('nan')):.1e}), "
+                    f"ours vs FlashMLA {row['rel_diff_vs_flashmla']:.1e}")
+    RESULTS["flashmla"] = rows
+
+
+def section_flashmla_sweep(args, mla, cache_utils):
+    """Our decode at the FlashMLA comparison's shapes for every candidate
+    (BLOCK_H, BLOCK_N, warps, stages) and split count (None: the wrapper's)."""
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    swa, c4 = context_pools(cache_utils)
+    rows = []
+    for cfg in FM_SWEEP:
+        os.environ["VLLM_TRITON_MLA_SPARSE_KERNEL_CONFIG"] = ",".join(map(str, cfg))
+        for H in FM_HEADS:
+            for topk in FM_TOPKS:
+                for T in FM_BATCHES:
+                    q, si, sl, ti, tl_, sink = decode_inputs(T, H, topk, 128, swa, c4, gen)
+                    out = torch.empty_like(q)
+                    for splits in FM_SPLITS:
+                        if splits and (splits - 1) * cfg[1] >= topk + 128:
+                            continue
+                        fn = lambda: mla.sparse_mla_decode(  # noqa: E731
+                            q, swa, si, sl, out, 0.04, sink, c4, ti, tl_, num_heads=H,
+                            num_splits=splits)
+                        try:
+                            us = timed(fn, iters=20)
+                        except Exception as e:  # noqa: BLE001
+                            us = float("nan")
+                            log("flashmla sweep error", cfg, splits, repr(e)[:200])
+                        rows.append({"cfg": cfg, "H": H, "topk": topk, "T": T,
+                                     "splits": splits, "us": us})
+                    best = min((r for r in rows[-len(FM_SPLITS):] if r["cfg"] == cfg
+                                and r["H"] == H and r["T"] == T and r["topk"] == topk),
+                               key=lambda r: r["us"])
+                    log(f"fm-sweep cfg={cfg} H={H} topk={topk} T={T}: best {best['us']:.1f} us "
+                        f"at splits={best['splits']}")
+    os.environ.pop("VLLM_TRITON_MLA_SPARSE_KERNEL_CONFIG", None)
+    RESULTS["flashmla_sweep"] = rows
+
+
 # ------------------------------------------------------------------ layer check
 
 
@@ -952,11 +1088,16 @@ def main():
     ap.add_argument("--tree", type=Path, required=True)
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--sections", default="env,smem,correctness,layer,decode,reference,prefill")
+    ap.add_argument("--flashmla", type=Path, default=Path(".gpu-carry/flashmla"),
+                    help="folder holding vllm/_flashmla_C.abi3.so and vllm/third_party/"
+                         "flashmla/ from the vLLM 0.21.0 wheel (section flashmla)")
+    ap.add_argument("--kernel", type=Path, default=SOURCES / KERNEL,
+                    help="the attention.py timed as ours (default: this repository's source)")
     ap.add_argument("--baseline", type=Path,
                     help="another revision of attention.py, timed on the same decode inputs")
     args = ap.parse_args()
     sections = args.sections.split(",")
-    mla = load(SOURCES, KERNEL, "sm12x_sparse_mla_attention")
+    mla = load(args.kernel.parent, args.kernel.name, "sm12x_sparse_mla_attention")
     cache_utils, rocm = load_pinned_helpers(args.tree)
     baseline = load(args.baseline.parent, args.baseline.name, "baseline_attention") if args.baseline else None
     args.out.mkdir(parents=True, exist_ok=True)
@@ -986,6 +1127,8 @@ def main():
                                               env.get("copy_bw_GBps", 4000.0),
                                               env.get("bf16_matmul_TFLOPs", 790.0), baseline),
         "reference": lambda: section_reference(args, mla, cache_utils, rocm),
+        "flashmla": lambda: section_flashmla(args, mla, cache_utils, rocm, baseline),
+        "flashmla_sweep": lambda: section_flashmla_sweep(args, mla, cache_utils),
         "prefill": lambda: section_prefill(args, mla, env.get("bf16_matmul_TFLOPs", 790.0)),
         "indexer": lambda: section_indexer(args, env.get("copy_bw_GBps", 4000.0),
                                            env.get("bf16_matmul_TFLOPs", 790.0)),

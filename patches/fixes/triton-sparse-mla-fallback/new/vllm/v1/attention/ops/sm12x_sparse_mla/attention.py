@@ -240,13 +240,14 @@ def _sparse_mla_attn_kernel(
     b_width,
     num_heads,
     num_head_blocks,
+    num_splits,
     sm_scale_log2,
     A_PBS: tl.constexpr,
     B_PBS: tl.constexpr,
     HAS_B: tl.constexpr,
     FP8: tl.constexpr,
     HAS_SINK: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_F32: tl.constexpr,
@@ -254,8 +255,8 @@ def _sparse_mla_attn_kernel(
     pid = tl.program_id(0)
     hb = pid % num_head_blocks
     rest = pid // num_head_blocks
-    split = rest % NUM_SPLITS
-    t = (rest // NUM_SPLITS).to(tl.int64)
+    split = rest % num_splits
+    t = (rest // num_splits).to(tl.int64)
 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < num_heads
@@ -269,7 +270,7 @@ def _sparse_mla_attn_kernel(
     else:
         n_b = 0
     n = n_a + n_b
-    per_split = (n + NUM_SPLITS - 1) // NUM_SPLITS
+    per_split = (n + num_splits - 1) // num_splits
     per_split = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     start = split * per_split
     end = tl.minimum(n, start + per_split)
@@ -351,7 +352,7 @@ def _sparse_mla_attn_kernel(
 
     has_any = l_i > 0.0
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         denom = l_i
         if HAS_SINK:
             sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=float("-inf"))
@@ -372,7 +373,7 @@ def _sparse_mla_attn_kernel(
         l_safe = tl.where(has_any, l_i, 1.0)
         inv = tl.where(has_any, 1.0 / l_safe, 0.0)[:, None]
         lse = tl.where(has_any, m_safe + tl.log2(l_safe), float("-inf"))
-        row = (t * NUM_SPLITS + split) * num_heads
+        row = (t * num_splits + split) * num_heads
         tl.store(part_lse_ptr + row + offs_h, lse, mask=h_mask)
         o_row = part_o_ptr + row * 512
         _store_tile(o_row, offs_h, offs_d, h_mask, 0, 512, acc0 * inv)
@@ -398,13 +399,16 @@ def _merge_splits_kernel(
     NUM_SPLITS: tl.constexpr,
     SPLITS_P2: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
+    # One program per token, block of heads and slice of the 512 dims: at
+    # batch 1 the splits are many and the programs few.
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < num_heads
     offs_s = tl.arange(0, SPLITS_P2)
-    offs_d = tl.arange(0, 512)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
 
     lse = tl.load(
         part_lse_ptr + (t * NUM_SPLITS + offs_s[:, None]) * num_heads + offs_h[None, :],
@@ -421,7 +425,7 @@ def _merge_splits_kernel(
         denom = denom + tl.exp2(sink * 1.4426950408889634 - m_safe)
     inv = tl.where(total > 0.0, 1.0 / tl.where(total > 0.0, denom, 1.0), 0.0)
 
-    acc = tl.zeros([BLOCK_H, 512], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for sp in range(NUM_SPLITS):
         lse_s = tl.load(
             part_lse_ptr + (t * NUM_SPLITS + sp) * num_heads + offs_h,
@@ -449,34 +453,51 @@ def _merge_splits_kernel(
 # Launch configuration
 # --------------------------------------------------------------------------
 
-# (BLOCK_H, BLOCK_N, num_warps, num_stages) by kernel, by whether there are
-# more than 16 computed heads, and by whether the device is SM12x. On SM12x
-# only four-warp configurations: ptxas for sm_120a gives an eight-warp build of
-# this kernel 128 registers per thread and it spills 1.7 KB (four warps: 255
-# registers, about 100 B). Elsewhere (the forced path on SM90/SM100) the
-# fastest of a sweep on an H200 (docs/sparse-mla.md). Every entry is compiled
-# for sm_120 by the tests and the benchmark and must fit SM120_MAX_SHARED_BYTES.
-_CONFIGS: dict[tuple[str, bool, bool], tuple[int, int, int, int]] = {
-    ("decode", False, False): (16, 32, 4, 1),
-    ("decode", True, False): (64, 32, 8, 1),
-    ("prefill", False, False): (16, 32, 4, 1),
-    ("prefill", True, False): (64, 16, 8, 1),
-    ("decode", False, True): (16, 32, 4, 1),
-    ("decode", True, True): (32, 16, 4, 1),
-    ("prefill", False, True): (16, 32, 4, 1),
-    ("prefill", True, True): (32, 16, 4, 1),
+# (BLOCK_H, BLOCK_N, num_warps, num_stages) by kernel, by the computed heads
+# rounded up to 16, 32, 64 or 128, and by whether the device is SM12x.
+# SM12x: (16, 16, 4 warps) only: ptxas for sm_120a builds it without spills
+# and the H200 sweep timed it (four-warp builds with BLOCK_H 32 or BLOCK_N 32
+# reach 255 registers and spill 24-228 B, (64, 32, 8 warps) 1.7-3.5 KB).
+# Elsewhere (the forced path on SM90/SM100) the fastest of a sweep on an H200
+# against FlashMLA (docs/sparse-mla.md). Every entry is compiled for sm_120 by
+# the tests and must fit SM120_MAX_SHARED_BYTES.
+_SM12X_CONFIG = (16, 16, 4, 1)
+_CONFIGS: dict[tuple[str, int, bool], tuple[int, int, int, int]] = {
+    ("decode", 16, False): (16, 32, 4, 1),
+    ("decode", 32, False): (32, 32, 8, 1),
+    ("decode", 64, False): (64, 32, 8, 1),
+    ("decode", 128, False): (64, 32, 8, 1),
+    ("prefill", 16, False): (16, 32, 4, 1),
+    ("prefill", 32, False): (64, 16, 8, 1),
+    ("prefill", 64, False): (64, 16, 8, 1),
+    ("prefill", 128, False): (64, 16, 8, 1),
+    **{(kind, heads, True): _SM12X_CONFIG
+       for kind in ("decode", "prefill") for heads in (16, 32, 64, 128)},
 }
+# Decode with fewer programs than this share of the SMs (batch 1) takes the
+# 16-head configuration: more programs, each with a shorter chain of loads.
+_FEW_PROGRAMS_PER_SM = 0.25
 _MERGE_BLOCK_H = 8
+_MERGE_BLOCK_D = 128
+
+
+def _head_class(num_heads: int) -> int:
+    return 16 if num_heads <= 16 else 32 if num_heads <= 32 else 64 if num_heads <= 64 else 128
 
 
 def _pick_config(
-    kind: str, num_heads: int, device: torch.device
+    kind: str, num_heads: int, device: torch.device, num_tokens: int | None = None
 ) -> tuple[int, int, int, int]:
     override = os.environ.get("VLLM_TRITON_MLA_SPARSE_KERNEL_CONFIG")
     if override:
         bh, bn, nw, ns = (int(x) for x in override.split(","))
         return bh, bn, nw, ns
-    return _CONFIGS[(kind, num_heads > 16, _is_sm12x(device))]
+    config = _CONFIGS[(kind, _head_class(num_heads), _is_sm12x(device))]
+    if kind == "decode" and num_tokens is not None:
+        programs = num_tokens * triton.cdiv(num_heads, config[0])
+        if programs < _FEW_PROGRAMS_PER_SM * _num_sms(device):
+            config = _CONFIGS[(kind, 16, _is_sm12x(device))]
+    return config
 
 
 def all_configs() -> list[tuple[int, int, int, int]]:
@@ -516,15 +537,26 @@ def _max_splits() -> int:
     return max(1, int(value)) if value else _DEFAULT_MAX_SPLITS
 
 
+# The H200 sweep against FlashMLA: the best split count filled the SMs with
+# programs once (eight warps) or twice (four warps), rounding down, kept at
+# least two key blocks per split and was never above 16.
+_SPLITS_CAP = 16
+
+
 def choose_num_splits(
-    num_tokens: int, num_head_blocks: int, max_keys: int, block_n: int, num_sms: int
+    num_tokens: int,
+    num_head_blocks: int,
+    max_keys: int,
+    block_n: int,
+    num_sms: int,
+    num_warps: int = 4,
 ) -> int:
     """Split-K factor from shapes only (so a captured graph stays valid)."""
     ctas = max(1, num_tokens * num_head_blocks)
-    want = triton.cdiv(2 * num_sms, ctas)
-    # Keep at least two key blocks per split.
-    most = max(1, triton.cdiv(max_keys, 2 * block_n))
-    return int(max(1, min(want, most, _max_splits())))
+    resident = num_sms * (2 if num_warps <= 4 else 1)
+    want = resident // ctas
+    most = triton.cdiv(max_keys, 2 * block_n)
+    return int(max(1, min(want, most, _SPLITS_CAP, _max_splits())))
 
 
 def _as_rows(x: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -556,7 +588,7 @@ def _launch(
     if num_tokens == 0 or num_heads == 0:
         return
     block_h, block_n, num_warps, num_stages = _pick_config(
-        "decode" if fp8 else "prefill", num_heads, q.device
+        "decode" if fp8 else "prefill", num_heads, q.device, num_tokens
     )
     num_head_blocks = triton.cdiv(num_heads, block_h)
     a_cache, a_stride, a_rows, a_idx, a_lens, a_pbs = a
@@ -568,7 +600,7 @@ def _launch(
         b_cache, b_stride, b_rows, b_idx, b_lens, b_pbs = a_cache, 0, 0, a_idx, a_lens, 1
     if num_splits is None:
         num_splits = choose_num_splits(
-            num_tokens, num_head_blocks, max_keys, block_n, _num_sms(q.device)
+            num_tokens, num_head_blocks, max_keys, block_n, _num_sms(q.device), num_warps
         )
     if num_splits > 1:
         part_o = torch.empty(
@@ -612,13 +644,14 @@ def _launch(
         b_idx.shape[1] if b is not None else 0,
         num_heads,
         num_head_blocks,
+        num_splits,
         scale * _LOG2E,
         A_PBS=a_pbs,
         B_PBS=b_pbs,
         HAS_B=b is not None,
         FP8=fp8,
         HAS_SINK=has_sink,
-        NUM_SPLITS=num_splits,
+        SPLIT=num_splits > 1,
         BLOCK_H=block_h,
         BLOCK_N=block_n,
         DOT_F32=_dot_in_fp32(q.device),
@@ -626,7 +659,9 @@ def _launch(
         num_stages=num_stages,
     )
     if num_splits > 1:
-        _merge_splits_kernel[(num_tokens, triton.cdiv(num_heads, _MERGE_BLOCK_H))](
+        merge_grid = (num_tokens, triton.cdiv(num_heads, _MERGE_BLOCK_H),
+                      HEAD_DIM // _MERGE_BLOCK_D)
+        _merge_splits_kernel[merge_grid](
             part_o,
             part_lse,
             sink_arg,
@@ -638,6 +673,7 @@ def _launch(
             NUM_SPLITS=num_splits,
             SPLITS_P2=triton.next_power_of_2(num_splits),
             BLOCK_H=_MERGE_BLOCK_H,
+            BLOCK_D=_MERGE_BLOCK_D,
             num_warps=4,
         )
 
@@ -749,11 +785,12 @@ def _kernel_variants(configs=None):
                 "b_cache_ptr": cache_ty, "b_page_stride": "i32", "b_num_rows": "i32",
                 "b_idx_ptr": "*i32", "b_idx_stride": "i32", "b_lens_ptr": "*i32",
                 "b_width": "i32",
-                "num_heads": "i32", "num_head_blocks": "i32", "sm_scale_log2": "fp32",
+                "num_heads": "i32", "num_head_blocks": "i32", "num_splits": "i32",
+                "sm_scale_log2": "fp32",
             }
             constexprs = {
                 "A_PBS": 64, "B_PBS": 2, "HAS_B": has_b, "FP8": fp8, "HAS_SINK": True,
-                "NUM_SPLITS": splits, "BLOCK_H": block_h, "BLOCK_N": block_n,
+                "SPLIT": splits > 1, "BLOCK_H": block_h, "BLOCK_N": block_n,
                 "DOT_F32": False,
             }
             for name in constexprs:
@@ -792,10 +829,11 @@ def shared_memory_report(target, configs=None) -> list[tuple[str, int]]:
         "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "sink_ptr": "*fp32",
         "out_ptr": "*bf16", "stride_ot": "i32", "stride_oh": "i32", "num_heads": "i32",
         "HAS_SINK": "constexpr", "NUM_SPLITS": "constexpr", "SPLITS_P2": "constexpr",
-        "BLOCK_H": "constexpr",
+        "BLOCK_H": "constexpr", "BLOCK_D": "constexpr",
     }
     merge_const = {"HAS_SINK": True, "NUM_SPLITS": _DEFAULT_MAX_SPLITS,
-                   "SPLITS_P2": _DEFAULT_MAX_SPLITS, "BLOCK_H": _MERGE_BLOCK_H}
+                   "SPLITS_P2": _DEFAULT_MAX_SPLITS, "BLOCK_H": _MERGE_BLOCK_H,
+                   "BLOCK_D": _MERGE_BLOCK_D}
     src = ASTSource(fn=_merge_splits_kernel, signature=merge_sig, constexprs=merge_const)
     compiled = triton.compile(src, target=target, options={"num_warps": 4})
     report.append((f"merge BLOCK_H={_MERGE_BLOCK_H}", int(compiled.metadata.shared)))
