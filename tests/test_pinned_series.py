@@ -90,6 +90,28 @@ def test_stream_aware_free_is_half_landed_in_later_releases(series, release_sour
     assert results["cumem-wake-up-rollback"].outcome is not Outcome.LANDED
 
 
+def test_git_am_takes_the_series_as_mails(lane, lane_source, tmp_path):
+    """Each patch is one `git format-patch` mail: `git am` applies the series in order, and
+    the commit it makes carries the headers as its message and only the diff as its change."""
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    work = tmp_path / "work"
+    for rel in lane.series.paths:
+        if (lane_source.root / rel).exists():
+            (work / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(lane_source.root / rel, work / rel)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run([*git, "init", "-q"], cwd=work, check=True)
+    subprocess.run([*git, "add", "-A"], cwd=work, check=True)
+    subprocess.run([*git, "commit", "-qm", "pristine", "--allow-empty"], cwd=work, check=True)
+    subprocess.run([*git, "am", "-q", *[str(p.file) for p in lane.series.patches]], cwd=work, check=True)
+    for n, patch in enumerate(reversed(lane.series.patches)):
+        message = subprocess.run([*git, "log", "-1", "--format=%B", f"HEAD~{n}"], cwd=work, check=True,
+                                 capture_output=True, text=True).stdout
+        assert message.startswith(patch.subject.removeprefix("[PATCH] ")), patch.id
+        assert "\n---\n" not in message and "Origin: " in message, f"{patch.id}: more than one mail separator"
+
+
 def test_our_applier_agrees_with_gnu_patch(lane, lane_source, tmp_path):
     """Cross-check the in-memory applier against GNU patch -F0 on a copy of the touched files."""
     series, pinned_tree = lane.series, lane_source.root
