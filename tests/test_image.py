@@ -267,7 +267,7 @@ def engine(tree) -> FakeEngine:
 
 
 def test_image_paths_map_patches_to_installed_files(ctx):
-    assert plan_files.installed_paths(ctx.series) == {
+    assert plan_files.installed_paths(ctx.lanes[0].series) == {
         "vllm/cumem_allocator.abi3.so": ("native-fix",),
         "vllm/device_allocator/cumem.py": ("cumem-fix",),
     }
@@ -317,7 +317,7 @@ def test_no_native_patch_no_builder(tmp_path, tree):
 
 def test_labels(ctx):
     plan = make_plan(ctx, labels={"org.opencontainers.image.vendor": "upstream", "maintainer": "x"})
-    s = ctx.series.sha256
+    s = ctx.lanes[0].series.sha256
     assert plan.labels == {
         "org.opencontainers.image.base.digest": BASE_DIGEST,
         "org.opencontainers.image.base.name": "example/vllm-openai:v0.21.0",
@@ -336,12 +336,12 @@ def test_labels(ctx):
 
 
 def test_created_comes_from_source_date_epoch_else_the_series_never_the_clock(ctx, monkeypatch):
-    assert image.created_epoch(ctx.series, EPOCH) == 1790000000
+    assert image.created_epoch(ctx.lanes[0].series, EPOCH) == 1790000000
     # without SOURCE_DATE_EPOCH: the newest Last-Update (2026-11-21 of patch 0002)
     monkeypatch.setattr(image.time, "time", lambda: 0.0)
-    assert image.created_epoch(ctx.series, {}) == 1795219200
+    assert image.created_epoch(ctx.lanes[0].series, {}) == 1795219200
     with pytest.raises(ConfigError, match="SOURCE_DATE_EPOCH"):
-        image.created_epoch(ctx.series, {"SOURCE_DATE_EPOCH": "yesterday"})
+        image.created_epoch(ctx.lanes[0].series, {"SOURCE_DATE_EPOCH": "yesterday"})
 
 
 def test_same_inputs_same_plan_context_and_labels(ctx):

@@ -97,18 +97,10 @@ replaced by --config FILE when given.
 """
 
 
-def named_lane(ctx: Context, version: str) -> Lane:
-    """The lane ``--lane`` names; refused (exit 2, nothing fetched) when there is none."""
-    lane = ctx.lane(version)
-    if lane is None:
-        raise BundleError(f"--lane {version}: the configuration has no such lane (its lanes: {ctx.lane_versions})")
-    return lane
-
-
 def _lane_for_release(ctx: Context, version: str, named: str | None) -> Lane:
     """The lane ``--vllm VERSION`` is checked with, said on stderr with the reason."""
     if named:
-        lane, why = named_lane(ctx, named), "named by --lane"
+        lane, why = ctx.named_lane(named), "named by --lane"
     else:
         lane, why = ctx.lane_for(version), f"the nearest lane at or below {version}"
     if lane is None:
@@ -126,7 +118,7 @@ def check_runs(ctx: Context, vllm: list[str] | None, named: str | None) -> list[
     with the lane nearest at or below it."""
     if vllm:
         return [(_lane_for_release(ctx, v, named), v) for v in dict.fromkeys(vllm)]
-    lanes = [named_lane(ctx, named)] if named else list(ctx.lanes)
+    lanes = [ctx.named_lane(named)] if named else list(ctx.lanes)
     runs = [(lane, lane.version) for lane in lanes]
     for v in ctx.config.check.versions:
         lane = ctx.lane_for(v)
@@ -159,7 +151,7 @@ def cmd_apply(ctx: Context, args: argparse.Namespace) -> int:
     from .fsutil import check_replaceable, refuse_protected
     from .outputs.tree import write_tree
 
-    lane = named_lane(ctx, args.lane) if args.lane else ctx.lanes[0]
+    lane = ctx.named_lane(args.lane)
     out = refuse_protected(args.out)
     check_replaceable(out, args.force)  # before any download
     source = ctx.source(lane.version)

@@ -7,11 +7,11 @@ from functools import cached_property
 from pathlib import Path
 
 from .config import Config, LaneConfig
-from .errors import SeriesError
+from .errors import BundleError, SeriesError
 from .progress import Progress
 from .series.lane import Lane, nearest_at_or_below
 from .series.lane import shipped_series as shipped_lane_series
-from .series.patch import Series, load_series
+from .series.patch import load_series
 from .source.pin import Pin, SourceTree, resolve_source
 
 
@@ -21,6 +21,11 @@ def shipped_series(version: str = "0.21.0") -> Path:
     if path is None:
         raise SeriesError(f"no patch series is shipped for vLLM {version}: give the lane's series in the config")
     return path
+
+
+def _pin_of(lane: LaneConfig) -> Pin:
+    """The lane's sdist pin: its own sha256, else the one data/releases.json records."""
+    return Pin(lane.version, lane.sha256) if lane.sha256 else Pin.for_version(lane.version)
 
 
 @dataclass
@@ -39,8 +44,7 @@ class Context:
         path = self.config.series_path(lane)
         if path is None:
             raise SeriesError(f"no patch series is shipped for vLLM {lane.version}: give the lane's series")
-        pin = Pin(lane.version, lane.sha256) if lane.sha256 else Pin.for_version(lane.version)
-        return Lane(lane.version, pin, load_series(path))
+        return Lane(lane.version, _pin_of(lane), load_series(path))
 
     def lane(self, version: str) -> Lane | None:
         """The lane pinned to exactly this release, if there is one."""
@@ -56,14 +60,15 @@ class Context:
         """The lanes' versions for a sentence: '0.21.0, 0.33.0'."""
         return ", ".join(c.version for c in self.config.lanes)
 
-    # The first lane, for callers that know one lane only.
-    @property
-    def series(self) -> Series:
-        return self.lanes[0].series
-
-    @property
-    def pin(self) -> Pin:
-        return self.lanes[0].pin
+    def named_lane(self, version: str | None) -> Lane:
+        """The lane ``--lane VERSION`` names (None: the config's first lane); refused (exit 2,
+        nothing fetched) when the config has no such lane."""
+        if version is None:
+            return self.lanes[0]
+        lane = self.lane(version)
+        if lane is None:
+            raise BundleError(f"--lane {version}: the configuration has no such lane (its lanes: {self.lane_versions})")
+        return lane
 
     def source(self, version: str | None = None) -> SourceTree:
         """A lane's pinned tree (None: the first lane's), or any other release fetched the
@@ -81,9 +86,8 @@ class Context:
         own = next((c for c in self.config.lanes if c.version == version), None)
         if own is not None:
             local = self.config.resolve(own.source) if own.source else None
-            pin = Pin(own.version, own.sha256) if own.sha256 else Pin.for_version(own.version)
             return resolve_source(
-                pin, index_url=own.index_url, local=local, cache_dir=self.cache_dir, progress=self.progress
+                _pin_of(own), index_url=own.index_url, local=local, cache_dir=self.cache_dir, progress=self.progress
             )
         return resolve_source(
             Pin.for_version(version), index_url=self._index_for(version), cache_dir=self.cache_dir,

@@ -134,10 +134,9 @@ def resolve_targets(ctx: Context, args: argparse.Namespace, work: Path) -> list[
         return [Target("pristine", Path(trees[0]).resolve()), Target("patched", Path(trees[1]).resolve())]
     if trees:
         raise ConfigError(f"--compare takes two trees (PRISTINE PATCHED) or none, not {len(trees)}")
-    from ..cli import named_lane
     from ..outputs.tree import write_tree
 
-    lane = named_lane(ctx, args.lane) if args.lane else ctx.lanes[0]
+    lane = ctx.named_lane(args.lane)
     source = ctx.source(lane.version)
     patched = work / "patched-tree"
     ctx.progress.say(f"applying the {lane.version} lane's series to vLLM {source.version} in {patched}")
