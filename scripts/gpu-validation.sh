@@ -16,6 +16,9 @@
 #   scripts/gpu-validation.sh lane DIR OUT      # issue 14: every scenario on a lane's trees
 #                                               # in one run that fits 10 minutes (smaller
 #                                               # speed, stress and fault-stress sizes)
+#   scripts/gpu-validation.sh wake DIR OUT [GIB] # issue 13, the wake's order: the new-memory
+#                                               # bench, then the lane comparison with the
+#                                               # speed scenarios at GIB (default 16)
 #
 # prepare: the pinned tree (sm12x-bundle fetch) and the patched tree (sm12x-bundle apply),
 # each cut down to what the selftest uses (csrc/cumem_allocator*, and the vllm packages
@@ -30,6 +33,7 @@
 # transactions: writes env.txt, transactions.json, transactions-work.tar (each scenario's
 # own JSON) and transactions.log.
 # lane: writes env.txt, lane.json, lane-work.tar (each scenario's own JSON) and lane.log.
+# wake: writes env.txt, new-memory.json, wake.json and wake.log.
 # The slices of 0.33.0's trees are about 6 MB each: its cumem.py imports vllm.platforms and
 # vllm.utils.torch_utils, all inside the same folders as 0.21.0's.
 # Each stage has a time limit so that one slow stage cannot starve the others.
@@ -151,11 +155,28 @@ lane() {
   tar -cf "$out/lane-work.tar" -C /tmp selftest-work 2>/dev/null
 }
 
+wake() {
+  local dir=$1 out=$2 gib=${3:-16}
+  setup "$dir" "$out" wake.log
+
+  echo "== bench/cumem_new_memory_bench.py (what new and released memory cost a copy)"
+  timeout 100 python3 bench/cumem_new_memory_bench.py "$dir/patched" "${include[@]}" \
+    --json-out "$out/new-memory.json"
+  echo "new-memory bench exit code: $?"
+
+  echo "== selftest --compare, every scenario (speed $gib GiB, stress 300 cycles, fault stress 2,000 cycles, seed 1)"
+  timeout 500 python3 -m sm12x_bundle selftest --compare "$dir/pristine" "$dir/patched" "${include[@]}" \
+    --speed-gib "$gib" --cycles 300 --fault-cycles 2000 --seed 1 --timeout 150 --work /tmp/selftest-work \
+    --json-out "$out/wake.json"
+  echo "selftest exit code: $?"
+}
+
 case "${1:-}" in
   prepare) prepare "${2:?DIR}" "${3:-}" ;;
   run) run "${2:?DIR}" "${3:?OUT}" ;;
   followup) followup "${2:?DIR}" "${3:?OUT}" ;;
   transactions) transactions "${2:?DIR}" "${3:?OUT}" "${4:-}" ;;
   lane) lane "${2:?DIR}" "${3:?OUT}" ;;
-  *) echo "usage: $0 prepare DIR [VERSION] | run DIR OUT | followup DIR OUT | transactions DIR OUT [SCENARIOS] | lane DIR OUT" >&2; exit 2 ;;
+  wake) wake "${2:?DIR}" "${3:?OUT}" "${4:-}" ;;
+  *) echo "usage: $0 prepare DIR [VERSION] | run DIR OUT | followup DIR OUT | transactions DIR OUT [SCENARIOS] | lane DIR OUT | wake DIR OUT [GIB]" >&2; exit 2 ;;
 esac

@@ -732,3 +732,16 @@ def test_lane_goes_with_compare_without_trees(fake_gpu, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["selftest", "-q", "--tree", str(fake_gpu.trees["patched"]), "--lane", "0.33.0"])
     assert exc.value.code == 2 and "--lane goes with --compare and no trees" in capsys.readouterr().err
+
+
+def test_speed_holds_the_wake_to_the_fresh_memory_ceiling():
+    """Issue 13: a wake copies into memory it has just created, so the speed scenario
+    holds it to 0.95 of the H2D ceiling into fresh memory, not to the ceiling of copies
+    into memory in use; the sleep stays held to the D2H ceiling."""
+    speed_shortfalls = scenarios.speed_shortfalls
+    met = {"sleep_ratio": 0.96, "wake_ratio": 0.88, "wake_fresh_ratio": 0.97}
+    assert speed_shortfalls(met, 0.9) == []
+    assert speed_shortfalls({**met, "wake_fresh_ratio": 0.94}, 0.9) == ["wake below 95% of fresh"]
+    assert speed_shortfalls({**met, "sleep_ratio": 0.85}, 0.9) == ["sleep below 90% of D2H"]
+    assert speed_shortfalls({**met, "sleep_ratio": 0.85, "wake_fresh_ratio": 0.5}, 0.9) == [
+        "sleep below 90% of D2H", "wake below 95% of fresh"]

@@ -95,7 +95,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=1, metavar="N",
                    help="seed of the stress layouts and of fault-stress's injections; a failure names it (default 1)")
     p.add_argument("--speed-target", type=arguments.fraction, default=0.9, metavar="FRACTION",
-                   help="sleep and wake must reach this fraction of the pinned-copy ceiling (default 0.9)")
+                   help="in the speed scenario, sleeps must reach this fraction of the pinned D2H ceiling "
+                   "(default 0.9); wakes must reach 0.95 of the H2D ceiling into freshly created memory")
     p.add_argument("--wake-after", type=arguments.non_negative_float, default=0.0, metavar="SECONDS",
                    help="in the speed scenario, wait this long after each sleep before the wake is timed "
                         "(default 0: at once; a rotation wakes a peer long after it slept)")

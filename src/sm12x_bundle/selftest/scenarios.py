@@ -426,6 +426,20 @@ def stress(torch, cumem, p: dict) -> dict:
 
 # --- 5 speed -----------------------------------------------------------------------------------
 
+WAKE_FRESH_TARGET = 0.95  # of the H2D ceiling into freshly created memory (issue 13)
+
+
+def speed_shortfalls(f: dict, target: float) -> list[str]:
+    """What keeps the speed scenario from passing. A wake copies into memory it has just
+    created, which the driver prepares first: it is held to the fresh-memory ceiling
+    (issue 13), a sleep to the D2H one."""
+    short = []
+    if f["sleep_ratio"] < target:
+        short.append(f"sleep below {target:.0%} of D2H")
+    if f["wake_fresh_ratio"] < WAKE_FRESH_TARGET:
+        short.append(f"wake below {WAKE_FRESH_TARGET:.0%} of fresh")
+    return short
+
 
 def speed(torch, cumem, p: dict) -> dict:
     alloc = cumem.CuMemAllocator.get_instance()
@@ -459,6 +473,11 @@ def speed(torch, cumem, p: dict) -> dict:
     views = [t.view(torch.uint8) for t in ts]
     d2h = min(timed(torch, lambda: [h.copy_(v) for h, v in zip(hosts, views)]) for _ in range(reps))
     h2d = min(timed(torch, lambda: [v.copy_(h) for h, v in zip(hosts, views)]) for _ in range(reps))
+    # The second ceiling: the first copy into memory the allocator has just created,
+    # which is what a wake copies into (the driver clears new memory first).
+    from .speed import fresh_copy
+
+    fresh = min(fresh_copy(torch, alloc, hosts, chunk, f"selftest-speed-fresh-{i}") for i in range(reps))
 
     def rate(seconds: float) -> float:
         return total / seconds / 1e9
@@ -466,19 +485,21 @@ def speed(torch, cumem, p: dict) -> dict:
     f = {
         "bytes": total, "chunk_bytes": chunk,
         "sleep_gbps": rate(min(sleeps)), "wake_gbps": rate(min(wakes)),
-        "d2h_ceiling_gbps": rate(d2h), "h2d_ceiling_gbps": rate(h2d),
+        "d2h_ceiling_gbps": rate(d2h), "h2d_ceiling_gbps": rate(h2d), "fresh_h2d_ceiling_gbps": rate(fresh),
         "first_sleep_s": first, "first_sleep_gbps": rate(first), "steady_sleep_s": min(sleeps),
         "first_sleep_extra_s": first - min(sleeps),
         "sleeps_s": sleeps, "wakes_s": wakes, "wake_after_s": pause,
         "pytorch_cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
     }
     f["wake_ratio"] = f["wake_gbps"] / f["h2d_ceiling_gbps"]
+    f["wake_fresh_ratio"] = f["wake_gbps"] / f["fresh_h2d_ceiling_gbps"]
     f["sleep_ratio"] = f["sleep_gbps"] / f["d2h_ceiling_gbps"]
     words = (f"{total / GiB:.1f} GiB: wake {f['wake_gbps']:.1f} GB/s = {f['wake_ratio']:.0%} of H2D "
-             f"{f['h2d_ceiling_gbps']:.1f}; sleep {f['sleep_gbps']:.1f} GB/s = {f['sleep_ratio']:.0%} of D2H "
+             f"{f['h2d_ceiling_gbps']:.1f}, {f['wake_fresh_ratio']:.0%} of fresh {f['fresh_h2d_ceiling_gbps']:.1f}; sleep {f['sleep_gbps']:.1f} GB/s = {f['sleep_ratio']:.0%} of D2H "
              f"{f['d2h_ceiling_gbps']:.1f}; first sleep {first:.2f} s ({f['first_sleep_gbps']:.1f} GB/s)")
-    if f["wake_ratio"] < target or f["sleep_ratio"] < target:
-        return outcome("fail", f"{words}: below {target:.0%} of the ceiling", **f)
+    short = speed_shortfalls(f, target)
+    if short:
+        return outcome("fail", f"{words}: {' and '.join(short)}", **f)
     return outcome("pass", words, **f)
 
 
