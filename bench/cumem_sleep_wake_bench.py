@@ -16,14 +16,14 @@ sleep returns; each is timed against the same process's pinned ceilings. Sleeps:
 - ``per-allocation``: copy one, release it, as vLLM 0.21.0 sleeps (not transactional);
 - ``burst-pause``: the tree's sleep() and a 2 s pause before the wake.
 
-Wakes: ``tree`` (the tree's wake_up: map all, then synchronous copies), ``pipelined``
-(map k+1 while k's cudaMemcpyAsync runs on a side stream), ``batched`` (map all, then
-every cudaMemcpyAsync on one stream, one synchronize). The tree's sleep() discards every
-other awake allocation and its wake_up maps them again, so under the second tag its rows
-also discard and create the first tag's memory; the bench's own sleeps and wakes touch
-only the tag under test. After one burst sleep the free
-device memory that cudaMemGetInfo reports is polled for 0.5 s (does the driver still
-work on what was released?).
+Wakes: ``tree`` (the tree's wake_up; the 0.21.0 series of 2026-11-22 mapped all, then
+copied), ``pipelined`` (map k+1 while k's cudaMemcpyAsync runs on a side stream),
+``batched`` (map all, then every cudaMemcpyAsync on one stream, one synchronize). The
+tree's sleep() discards every other awake allocation and its wake_up maps them again, so
+under the second tag its rows also discard and create the first tag's memory; the
+bench's own sleeps and wakes touch only the tag under test. After one burst sleep the
+free device memory that cudaMemGetInfo reports is polled for 0.5 s (does the driver
+still work on what was released?).
 
 Part 2: what a model load waits on while the pool pins. A main thread loops on one
 64 MiB allocation (cuMemCreate + cuMemMap through the tree's extension, a 64 MiB copy

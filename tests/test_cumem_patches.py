@@ -331,6 +331,19 @@ def asleep_with_data(fake: FakeCuda, alloc) -> tuple[list[int], dict[int, bytes]
     return addrs, data
 
 
+def record_copies(fake: FakeCuda, monkeypatch) -> None:
+    """From now on, fake.events holds ("copy", device address) for every cudaMemcpy
+    beside the maps and unmaps (and nothing from before)."""
+    copy = fake.cudaMemcpy
+
+    def copying(dst, src, count):
+        fake.events.append(("copy", dst if dst >= DEVICE_BASE else src))
+        copy(dst, src, count)
+
+    monkeypatch.setattr(fake, "cudaMemcpy", copying)
+    del fake.events[:]
+
+
 def state(alloc) -> dict[int, tuple]:
     """What must survive a failed wake_up unchanged: per allocation, its tag, its
     handle and the bytes of its CPU backup (None when it has none)."""
@@ -379,14 +392,7 @@ def test_wake_up_maps_the_discarded_allocations_after_the_copies(lane, variant, 
     slower on an H200 (docs/gpu-validation.md). The patched wake maps and copies the
     offloaded allocations, then maps the discarded ones."""
     addrs, data = asleep_with_data(fake, alloc)
-    copy = fake.cudaMemcpy
-
-    def copying(dst, src, count):
-        fake.events.append(("copy", dst))
-        copy(dst, src, count)
-
-    monkeypatch.setattr(fake, "cudaMemcpy", copying)
-    del fake.events[:]
+    record_copies(fake, monkeypatch)
     alloc.wake_up()
     events = [e for e in fake.events if e[0] in ("copy", "map")]
     weights = [a for (tag, _), a in zip(LAYOUT, addrs) if tag == "weights"]
@@ -573,14 +579,7 @@ def test_sleep_releases_each_allocation_right_after_its_copy(lane, variant, fake
     sleep 5-8% slower on an H200 (docs/gpu-validation.md): each offloaded allocation is
     released right after its own copy, as pristine does, the discarded ones after them."""
     addrs, _ = awake_with_data(fake, alloc)
-    copy = fake.cudaMemcpy
-
-    def copying(dst, src, count):
-        fake.events.append(("copy", src))
-        copy(dst, src, count)
-
-    monkeypatch.setattr(fake, "cudaMemcpy", copying)
-    del fake.events[:]
+    record_copies(fake, monkeypatch)
     alloc.sleep(offload_tags=("weights",))
     events = [e for e in fake.events if e[0] in ("copy", "unmap")]
     weights = {a for (tag, _), a in zip(LAYOUT, addrs) if tag == "weights"}
