@@ -21,7 +21,12 @@ cudaMemcpy per piece, as wake_up copies) against the same copy into memory in us
   (a wake that maps the discarded allocations last), against the copy alone;
 - ``maps alone``: the KV cache's maps, synchronized;
 - the first write into the KV cache's new memory right after its maps, against the
-  same write into it once written.
+  same write into it once written;
+- the same copy queued with ``cudaMemcpyAsync`` (one synchronize at the end): on the
+  default stream and on a side stream into memory in use, then right after the release on
+  the default stream, on a side stream, and split over two side streams, and right after
+  the maps on a side stream (does another stream, or another copy engine, avoid the
+  wait?).
 
 Each row is the best of REPS; the weights' bytes are checked at the end.
 """
@@ -29,6 +34,7 @@ Each row is the best of REPS; the weights' bytes are checked at the end.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import sys
 import tempfile
@@ -43,6 +49,7 @@ from sm12x_bundle import native  # noqa: E402
 from sm12x_bundle.selftest import loader, scenarios  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
+H2D = 1  # cudaMemcpyHostToDevice
 
 
 def main() -> int:
@@ -85,6 +92,31 @@ def main() -> int:
         for d in wd:
             cumem.libcudart.cudaMemcpy(d.handle[2], d.cpu_backup_tensor.data_ptr(), d.handle[1])
 
+    mca = cumem.libcudart.lib.cudaMemcpyAsync
+    mca.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    mca.restype = ctypes.c_int
+    side = torch.cuda.Stream()
+    side2 = torch.cuda.Stream()
+
+    def queue(d, stream) -> None:
+        err = mca(d.handle[2], d.cpu_backup_tensor.data_ptr(), d.handle[1], H2D, stream)
+        if err:
+            raise RuntimeError(f"cudaMemcpyAsync failed: {err}")
+
+    def copy_async(stream) -> None:
+        for d in wd:
+            queue(d, stream)
+
+    def copy_two_streams() -> None:
+        for i, d in enumerate(wd):
+            queue(d, (side if i % 2 else side2).cuda_stream)
+
+    def remap_and_settle() -> None:  # the KV cache mapped again, the driver done with it
+        time.sleep(0.5)
+        maps(kd)
+        torch.cuda.synchronize()
+        time.sleep(0.5)
+
     def timed(fn) -> float:
         return scenarios.timed(torch, fn)
 
@@ -92,7 +124,9 @@ def main() -> int:
     copy()  # the weights' memory is now in use
     rows: dict[str, list[float]] = {k: [] for k in (
         "in_use", "new_just_before", "new_paused", "released_just_before", "copy_then_new",
-        "maps_alone", "first_write", "write_in_use")}
+        "maps_alone", "first_write", "write_in_use",
+        "in_use_async_default", "in_use_async_side", "released_async_default", "released_async_side",
+        "released_two_streams", "new_async_side")}
     for _ in range(args.reps):
         rows["in_use"].append(timed(copy))
         maps(kd)
@@ -112,6 +146,20 @@ def main() -> int:
         release(kd)
         time.sleep(0.5)
         rows["maps_alone"].append(timed(lambda: maps(kd)))
+        time.sleep(0.5)
+        rows["in_use_async_default"].append(timed(lambda: copy_async(None)))
+        rows["in_use_async_side"].append(timed(lambda: copy_async(side.cuda_stream)))
+        release(kd)
+        rows["released_async_default"].append(timed(lambda: copy_async(None)))
+        remap_and_settle()
+        release(kd)
+        rows["released_async_side"].append(timed(lambda: copy_async(side.cuda_stream)))
+        remap_and_settle()
+        release(kd)
+        rows["released_two_streams"].append(timed(copy_two_streams))
+        time.sleep(0.5)
+        maps(kd)
+        rows["new_async_side"].append(timed(lambda: copy_async(side.cuda_stream)))
         release(kd)
         time.sleep(0.5)
     intact = all(scenarios.intact(torch, t, i << 40) for i, t in enumerate(ws))
@@ -125,6 +173,9 @@ def main() -> int:
     print(f"{copy_bytes / GiB:.1f} GiB copied, {n_k * piece / GiB:.1f} GiB of new memory, {piece >> 20} MiB pieces:")
     for k in ("in_use", "new_just_before", "new_paused", "released_just_before", "copy_then_new"):
         print(f"  {k:<22} {best[k] * 1e3:7.1f} ms  {f['copy_gbps'][k]:5.1f} GB/s  ({best[k] / base:.3f}x in use)")
+    for k in ("in_use_async_default", "in_use_async_side", "released_async_default", "released_async_side",
+              "released_two_streams", "new_async_side"):
+        print(f"  {k:<22} {best[k] * 1e3:7.1f} ms  ({best[k] / base:.3f}x in use)")
     for k in ("maps_alone", "first_write", "write_in_use"):
         print(f"  {k:<22} {best[k] * 1e3:7.1f} ms")
     print(f"  weights {'intact' if intact else 'CORRUPT'}")
