@@ -474,7 +474,7 @@ def speed(torch, cumem, p: dict) -> dict:
     d2h = min(timed(torch, lambda: [h.copy_(v) for h, v in zip(hosts, views)]) for _ in range(reps))
     h2d = min(timed(torch, lambda: [v.copy_(h) for h, v in zip(hosts, views)]) for _ in range(reps))
     # The second ceiling: the first copy into memory the allocator has just created,
-    # which is what a wake copies into (the driver clears new memory first).
+    # which is what a wake copies into (the driver still works on new memory then).
     from .speed import fresh_copy
 
     fresh = min(fresh_copy(torch, alloc, hosts, chunk, f"selftest-speed-fresh-{i}") for i in range(reps))
@@ -495,8 +495,9 @@ def speed(torch, cumem, p: dict) -> dict:
     f["wake_fresh_ratio"] = f["wake_gbps"] / f["fresh_h2d_ceiling_gbps"]
     f["sleep_ratio"] = f["sleep_gbps"] / f["d2h_ceiling_gbps"]
     words = (f"{total / GiB:.1f} GiB: wake {f['wake_gbps']:.1f} GB/s = {f['wake_ratio']:.0%} of H2D "
-             f"{f['h2d_ceiling_gbps']:.1f}, {f['wake_fresh_ratio']:.0%} of fresh {f['fresh_h2d_ceiling_gbps']:.1f}; sleep {f['sleep_gbps']:.1f} GB/s = {f['sleep_ratio']:.0%} of D2H "
-             f"{f['d2h_ceiling_gbps']:.1f}; first sleep {first:.2f} s ({f['first_sleep_gbps']:.1f} GB/s)")
+             f"{f['h2d_ceiling_gbps']:.1f}, {f['wake_fresh_ratio']:.0%} of fresh {f['fresh_h2d_ceiling_gbps']:.1f}; "
+             f"sleep {f['sleep_gbps']:.1f} GB/s = {f['sleep_ratio']:.0%} of D2H {f['d2h_ceiling_gbps']:.1f}; "
+             f"first sleep {first:.2f} s ({f['first_sleep_gbps']:.1f} GB/s)")
     short = speed_shortfalls(f, target)
     if short:
         return outcome("fail", f"{words}: {' and '.join(short)}", **f)

@@ -106,9 +106,9 @@ class Engine:
 
     def write_kv(self, value: int) -> float:
         """The engine's first write into its KV cache after a wake, timed. The memory
-        is new: the driver clears new physical memory after cuMemCreate returns, and a
-        write into it waits for that clear (a wake that maps the KV cache last returns
-        before the clear ends, and the time moves here)."""
+        is new: the driver still works on new memory after cuMemCreate returns, and a
+        write into it waits for that work (a wake that maps the KV cache last returns
+        before the work ends, and that part of it moves here)."""
         from .scenarios import timed
 
         return timed(self.torch, lambda: [t.fill_(value) for t in self.kv_tensors])
@@ -158,11 +158,11 @@ def first_sleep(torch, cumem, p: dict) -> dict:
         if i < reps:
             sleeps.append(e.sleep())
     kv_in_use = e.write_kv(reps + 2)  # the same write into memory in use
-    time.sleep(0.5)  # a clear the driver still ran after the write would show now
+    time.sleep(0.5)  # driver work on the new memory that ran after the writes would show now
     if not e.intact():
         return outcome("fail", "the weights did not round-trip through sleep and wake")
     if not e.kv_holds(reps + 2):
-        return outcome("fail", "a write into the KV cache made right after wake_up was lost")
+        return outcome("fail", "the KV cache lost the writes made into it right after the wake")
     views = [t.view(torch.uint8) for t in e.tensors]
     hosts = [torch.empty(piece, dtype=torch.uint8, pin_memory=True) for _ in views]
     d2h = min(timed(torch, lambda: [h.copy_(v) for h, v in zip(hosts, views)]) for _ in range(reps))
