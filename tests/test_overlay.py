@@ -454,13 +454,19 @@ def test_nothing_is_written_when_any_target_fails(tmp_path):
 # --- the command ---------------------------------------------------------------------
 
 
-@pytest.fixture
-def project(tmp_path, monkeypatch):
-    """A working directory with a config whose targets are fake images."""
+def in_fake_docker(tmp_path, monkeypatch) -> FakeEngine:
+    """Work in tmp_path, with a fake daemon (no images yet) and the image cache inside."""
     monkeypatch.chdir(tmp_path)
     engine = FakeEngine({})
     monkeypatch.setattr(engine_mod, "docker_engine", lambda: engine)
     monkeypatch.setattr(plan_target, "image_cache_dir", lambda ctx: tmp_path / "cache" / "images")
+    return engine
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """A working directory with a config whose targets are fake images."""
+    engine = in_fake_docker(tmp_path, monkeypatch)
 
     def configure(patches: dict[str, str], targets: str) -> FakeEngine:
         write_series(tmp_path / "patches", patches)
@@ -561,10 +567,7 @@ def test_cli_ad_hoc_image_gets_a_folder_named_after_it(project, tmp_path, capsys
 @pytest.fixture
 def two_lanes(tmp_path, monkeypatch):
     """Lanes 0.21.0 and 0.33.0 (small local trees), each with its own series for vllm/a.py."""
-    monkeypatch.chdir(tmp_path)
-    engine = FakeEngine({})
-    monkeypatch.setattr(engine_mod, "docker_engine", lambda: engine)
-    monkeypatch.setattr(plan_target, "image_cache_dir", lambda ctx: tmp_path / "cache" / "images")
+    engine = in_fake_docker(tmp_path, monkeypatch)
     lanes = ""
     for version, line in (("0.21.0", "value_20 = 20\n"), ("0.33.0", "value_30 = 30\n")):
         write_series(tmp_path / f"p{version}", {"0001-a.patch": change(line, line.replace(" = ", " = 1"))})
