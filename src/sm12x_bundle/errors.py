@@ -54,6 +54,15 @@ class VerifyError(BundleError):
     exit_code = 9
 
 
+class EnvironmentProblem(BundleError):
+    """This machine stands in the way, not the input and not the tool: a path that cannot be
+    read or written (permissions, a read-only or full file system, something other than a
+    regular file or folder where one must be), or a compiler, header or daemon a step needs
+    is missing. The message names the path or the tool and the system's own words."""
+
+    exit_code = 12
+
+
 class OutputError(BundleError):
     """An output path is refused: it holds files this tool did not write, or it is
     the working directory, the home folder, the root or a folder above the working
