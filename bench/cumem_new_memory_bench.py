@@ -46,7 +46,7 @@ if str(SRC) not in sys.path:
     sys.path.insert(0, str(SRC))
 
 from sm12x_bundle import native  # noqa: E402
-from sm12x_bundle.selftest import loader, scenarios  # noqa: E402
+from sm12x_bundle.selftest import loader, measure  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 H2D = 1  # cudaMemcpyHostToDevice
@@ -75,7 +75,7 @@ def main() -> int:
     with alloc.use_memory_pool("bench-kv"):
         ks = [torch.empty(piece // 8, dtype=torch.int64, device="cuda") for _ in range(n_k)]
     for i, t in enumerate(ws):
-        scenarios.fill(torch, t, i << 40)
+        measure.fill(torch, t, i << 40)
     alloc.sleep(offload_tags=("bench-weights",))
     wd = [alloc.pointer_to_data[t.data_ptr()] for t in ws]
     kd = [alloc.pointer_to_data[t.data_ptr()] for t in ks]
@@ -118,7 +118,7 @@ def main() -> int:
         time.sleep(0.5)
 
     def timed(fn) -> float:
-        return scenarios.timed(torch, fn)
+        return measure.timed(torch, fn)
 
     maps(wd)
     copy()  # the weights' memory is now in use
@@ -162,7 +162,7 @@ def main() -> int:
         rows["new_async_side"].append(timed(lambda: copy_async(side.cuda_stream)))
         release(kd)
         time.sleep(0.5)
-    intact = all(scenarios.intact(torch, t, i << 40) for i, t in enumerate(ws))
+    intact = all(measure.intact(torch, t, i << 40) for i, t in enumerate(ws))
     copy_bytes = n_w * piece
     best = {k: min(v) for k, v in rows.items()}
     f = {"copy_bytes": copy_bytes, "new_bytes": n_k * piece, "piece_bytes": piece, "intact": intact,

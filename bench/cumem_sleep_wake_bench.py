@@ -51,7 +51,7 @@ if str(SRC) not in sys.path:
     sys.path.insert(0, str(SRC))
 
 from sm12x_bundle import native  # noqa: E402
-from sm12x_bundle.selftest import loader, scenarios  # noqa: E402
+from sm12x_bundle.selftest import loader, measure  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 H2D = 1
@@ -64,7 +64,7 @@ class Bench:
         with self.alloc.use_memory_pool(tag):
             self.ts = [torch.empty(piece // 8, dtype=torch.int64, device="cuda") for _ in range(size // piece)]
         for i, t in enumerate(self.ts):
-            scenarios.fill(torch, t, i << 40)
+            measure.fill(torch, t, i << 40)
         self.items = [(t.data_ptr(), self.alloc.pointer_to_data[t.data_ptr()]) for t in self.ts]
         self.bytes = len(self.ts) * piece
         lib = cumem.libcudart.lib
@@ -136,10 +136,10 @@ class Bench:
         self._woken()
 
     def intact(self) -> bool:
-        return all(scenarios.intact(self.torch, t, i << 40) for i, t in enumerate(self.ts))
+        return all(measure.intact(self.torch, t, i << 40) for i, t in enumerate(self.ts))
 
     def ceilings(self, reps: int) -> dict:
-        torch, timed = self.torch, scenarios.timed
+        torch, timed = self.torch, measure.timed
         views = [t.view(torch.uint8) for t in self.ts]
         hosts = [torch.empty(v.numel(), dtype=torch.uint8, pin_memory=True) for v in views]
         d2h = min(timed(torch, lambda: [h.copy_(v) for h, v in zip(hosts, views)]) for _ in range(reps))
@@ -167,7 +167,7 @@ def run_pairs(b: Bench, reps: int) -> dict:
     sleeps = {"burst": b.sleep_burst, "burst-reversed": b.sleep_burst_reversed,
               "per-allocation": b.sleep_per_allocation, "burst-pause": b.sleep_burst}
     wakes = {"tree": b.wake_tree, "pipelined": b.wake_pipelined, "batched": b.wake_batched}
-    torch, timed = b.torch, scenarios.timed
+    torch, timed = b.torch, measure.timed
     b.sleep_burst()  # the first sleep (the pool, or PyTorch's host cache, gets its memory)
     b.wake_tree()
     out = {f"{s}+{w}": {"sleep_s": [], "wake_s": []} for s, w in PAIRS}

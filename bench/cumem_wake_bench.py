@@ -39,14 +39,14 @@ if str(SRC) not in sys.path:
     sys.path.insert(0, str(SRC))
 
 from sm12x_bundle import native  # noqa: E402
-from sm12x_bundle.selftest import loader, scenarios  # noqa: E402
+from sm12x_bundle.selftest import loader, measure  # noqa: E402
 
 CUDA_MEMCPY_H2D = 1
 CUDA_MEMCPY_DEFAULT = 4
 
 
 def best(torch, fn, reps: int) -> float:
-    return min(scenarios.timed(torch, fn) for _ in range(reps))
+    return min(measure.timed(torch, fn) for _ in range(reps))
 
 
 def main() -> int:
@@ -75,7 +75,7 @@ def main() -> int:
     with alloc.use_memory_pool("wake-bench"):
         ts = [torch.empty(chunk // 8, dtype=torch.int64, device="cuda") for _ in range(k)]
     for i, t in enumerate(ts):
-        scenarios.fill(torch, t, i << 40)
+        measure.fill(torch, t, i << 40)
     alloc.sleep(offload_tags=("wake-bench",))
     datas = [alloc.pointer_to_data[t.data_ptr()] for t in ts]
     backups = [d.cpu_backup_tensor for d in datas]
@@ -124,28 +124,28 @@ def main() -> int:
     batched, paused, rewritten = [], [], []
     for _ in range(args.reps):
         map_all()
-        batched.append(scenarios.timed(torch, copy_all_async))
-        rewritten.append(scenarios.timed(torch, copy_all))
+        batched.append(measure.timed(torch, copy_all_async))
+        rewritten.append(measure.timed(torch, copy_all))
         unmap_all()
         map_all()
         torch.cuda.synchronize()
         time.sleep(args.pause)
-        paused.append(scenarios.timed(torch, copy_all))
+        paused.append(measure.timed(torch, copy_all))
         unmap_all()
     maps, copies, overl = [], [], []
     for _ in range(args.reps):
-        maps.append(scenarios.timed(torch, map_all))
-        copies.append(scenarios.timed(torch, copy_all))
+        maps.append(measure.timed(torch, map_all))
+        copies.append(measure.timed(torch, copy_all))
         unmap_all()
     for _ in range(args.reps):
-        overl.append(scenarios.timed(torch, overlapped))
+        overl.append(measure.timed(torch, overlapped))
         unmap_all()
-    overl.append(scenarios.timed(torch, overlapped))  # left mapped: check the bytes
-    intact = all(scenarios.intact(torch, t, i << 40) for i, t in enumerate(ts))
+    overl.append(measure.timed(torch, overlapped))  # left mapped: check the bytes
+    intact = all(measure.intact(torch, t, i << 40) for i, t in enumerate(ts))
     unmap_all()
     wakes = []
     for _ in range(args.reps):  # the tree's own wake_up, then back to sleep (backups from the host cache)
-        wakes.append(scenarios.timed(torch, alloc.wake_up))
+        wakes.append(measure.timed(torch, alloc.wake_up))
         alloc.sleep(offload_tags=("wake-bench",))
 
     def gbps(seconds: float) -> float:

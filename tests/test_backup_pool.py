@@ -298,14 +298,14 @@ def test_switched_off_the_backups_are_0_21_0s(patched_tree, pinned_tree, fake, m
     assert pin.registered == []
 
 
-# --- the selftest's sizes (speed.py) ------------------------------------------------------------
+# --- the selftest's sizes (engines.py) ------------------------------------------------------------
 
 
 def test_selftest_sizes_are_whole_pieces_in_the_seeds_proportions():
-    from sm12x_bundle.selftest import speed
+    from sm12x_bundle.selftest import engines
 
-    assert speed.weight_piece(512 * MiB) == 384 * MiB  # not a power of two: rounding shows
-    weights, kv, piece = speed.rotation_sizes(24.0, 512 * MiB)
+    assert engines.weight_piece(512 * MiB) == 384 * MiB  # not a power of two: rounding shows
+    weights, kv, piece = engines.rotation_sizes(24.0, 512 * MiB)
     assert weights % piece == 0 and kv % piece == 0 and piece % (2 * MiB) == 0
     assert weights + kv >= 24 << 30
     assert abs(weights / (weights + kv) - 2 / 3) < 0.02

@@ -682,7 +682,7 @@ def test_discard_after_a_failed_sleep(variant, fake, alloc, monkeypatch):
 
 
 def test_selftest_finds_the_one_pool_kept_for_a_tag(variant, fake, alloc):
-    from sm12x_bundle.selftest.scenarios import kept_pool
+    from sm12x_bundle.selftest.frees import kept_pool
 
     with alloc.use_memory_pool(tag="selftest-stale-drop"):
         fake.my_malloc(alloc, 4096)

@@ -25,7 +25,7 @@ from lanekit import LANES, lane_tree  # noqa: F401
 from sm12x_bundle import cmd, native
 from sm12x_bundle.cli import main
 from sm12x_bundle.errors import BundleError, CommandError, ConfigError
-from sm12x_bundle.selftest import loader, plan, report, runner, scenarios
+from sm12x_bundle.selftest import faults, loader, measure, plan, report, runner, speed, stress
 from sm12x_bundle.selftest.plan import GiB, MiB, Target
 from sm12x_bundle.selftest.report import ERROR, FAIL, PASS, Report, ScenarioResult, TargetInfo
 
@@ -503,43 +503,43 @@ def test_child_writes_its_result_even_when_the_tree_cannot_load(tmp_path):
 
 
 def test_stress_layout_covers_every_tag_with_varied_sizes():
-    layout = scenarios.stress_layout(512 * MiB, seed=1)
-    assert {tag for tag, _ in layout} == {tag for tag, _, _ in scenarios.STRESS_TAGS}
+    layout = stress.stress_layout(512 * MiB, seed=1)
+    assert {tag for tag, _ in layout} == {tag for tag, _, _ in stress.STRESS_TAGS}
     assert sum(n for _, n in layout) * 8 == pytest.approx(512 * MiB, rel=1e-6)
     sizes = {n for _, n in layout}
     assert len(sizes) >= 8 and min(sizes) < 1 * MiB // 8 < 16 * MiB // 8 < max(sizes)
-    assert layout == scenarios.stress_layout(512 * MiB, seed=1)
-    assert layout != scenarios.stress_layout(512 * MiB, seed=2)
+    assert layout == stress.stress_layout(512 * MiB, seed=1)
+    assert layout != stress.stress_layout(512 * MiB, seed=2)
 
 
 def test_brief_keeps_one_short_line():
     long = "CuMemAllocator: wake_up failed for the allocation " + "x" * 200 + "\nsecond line"
-    assert scenarios.brief(long).endswith("...") and len(scenarios.brief(long)) == 110
-    assert scenarios.brief("CUDA Error: out of memory\nat line 3") == "CUDA Error: out of memory"
+    assert measure.brief(long).endswith("...") and len(measure.brief(long)) == 110
+    assert measure.brief("CUDA Error: out of memory\nat line 3") == "CUDA Error: out of memory"
 
 
 def test_stress_offloads_some_tags_and_discards_others():
     rng = random.Random(3)
-    chosen = [scenarios.offloaded(c, rng) for c in range(1, 201)]
+    chosen = [stress.offloaded(c, rng) for c in range(1, 201)]
     assert all("st-weights" in c and "st-kv" not in c for c in chosen)
     assert all(("st-adapter" in c) == (i % 2 == 0) for i, c in enumerate(chosen, 1))
     assert 50 < sum("st-draft" in c for c in chosen) < 150
-    seeds = {scenarios.seed_for(c, i) for c in range(1, 1001) for i in range(64)}
+    seeds = {stress.seed_for(c, i) for c in range(1, 1001) for i in range(64)}
     assert len(seeds) == 1000 * 64
 
 
 def test_fault_stress_layout_is_small_varied_and_replayable():
-    layout = scenarios.fault_layout(32 * MiB, seed=1)
-    assert {tag for tag, _ in layout} == {tag for tag, _, _ in scenarios.STRESS_TAGS}
+    layout = stress.fault_layout(32 * MiB, seed=1)
+    assert {tag for tag, _ in layout} == {tag for tag, _, _ in stress.STRESS_TAGS}
     assert sum(n for _, n in layout) * 8 == pytest.approx(32 * MiB, rel=1e-6)
     sizes = {n for _, n in layout}
     assert len(sizes) >= 6 and max(sizes) <= 8 * MiB // 8 and min(sizes) < 256 * 1024 // 8
-    assert layout == scenarios.fault_layout(32 * MiB, seed=1) != scenarios.fault_layout(32 * MiB, seed=2)
+    assert layout == stress.fault_layout(32 * MiB, seed=1) != stress.fault_layout(32 * MiB, seed=2)
 
 
 def test_injected_host_allocation_fails_at_the_kth_backup_and_counts_the_rest():
     torch = pytest.importorskip("torch")
-    host = scenarios.HostAllocationFails(torch, k=3)
+    host = faults.HostAllocationFails(torch, k=3)
     kept = [host.empty(16, dtype=torch.uint8, device="cpu") for _ in range(2)]
     assert host.empty(16, dtype=torch.uint8) is not None  # not a backup: not counted
     with pytest.raises(RuntimeError, match="injected: pinned host allocation 3 failed"):
@@ -551,7 +551,7 @@ def test_injected_host_allocation_fails_at_the_kth_backup_and_counts_the_rest():
 
 def test_injected_map_failure_fails_only_the_kth_call():
     mapped = []
-    fails = scenarios.MapFails(mapped.append, k=2)
+    fails = faults.MapFails(mapped.append, k=2)
     fails("a")
     with pytest.raises(RuntimeError, match="injected: map 2 failed"):
         fails("b")
@@ -560,8 +560,8 @@ def test_injected_map_failure_fails_only_the_kth_call():
 
 
 def test_checkpoint_leaves_a_provisional_result(tmp_path, monkeypatch):
-    monkeypatch.setattr(scenarios, "RESULT_PATH", str(tmp_path / "r.json"))
-    scenarios.checkpoint(scenarios.outcome("fail", "died using unmapped memory", step=4))
+    monkeypatch.setattr(measure, "RESULT_PATH", str(tmp_path / "r.json"))
+    measure.checkpoint(measure.outcome("fail", "died using unmapped memory", step=4))
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc == {"outcome": "fail", "reason": "died using unmapped memory", "figures": {"step": 4},
                    "provisional": True}
@@ -572,7 +572,7 @@ def test_a_child_that_dies_after_its_checkpoint_reports_the_checkpoint(tmp_path)
 
     def dies(argv, **kw):
         out = Path(argv[argv.index("--out") + 1])
-        out.write_text(json.dumps({**scenarios.outcome("fail", "sleep failed; the process died when the "
+        out.write_text(json.dumps({**measure.outcome("fail", "sleep failed; the process died when the "
                                                                "tensors were next used"), "provisional": True}))
         raise CommandError("python ... failed with exit code 139:\nSegmentation fault")
 
@@ -680,9 +680,9 @@ def test_each_lanes_cumem_py_loads_against_its_built_extension_on_a_cpu(lane_tre
     tree = lane_tree(lane, variant)
     ext = native.build_cumem_extension(tree, tmp_path / "ext", libcuda=fake_libcuda)
     env = runner.child_env({"LD_LIBRARY_PATH": str(fake_libcuda), "VLLM_CUDART_SO_PATH": str(cudart)})
-    code = (f"import sys; from pathlib import Path; from sm12x_bundle.selftest import loader, scenarios; "
+    code = (f"import sys; from pathlib import Path; from sm12x_bundle.selftest import loader, measure; "
             f"l = loader.load(Path({str(tree)!r}), Path({str(ext)!r})); "
-            f"print(sys.modules['vllm'].__version__, scenarios.pin_memory(l.cumem), l.cumem.cumem_available, "
+            f"print(sys.modules['vllm'].__version__, measure.pin_memory(l.cumem), l.cumem.cumem_available, "
             f"l.extension)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -738,7 +738,7 @@ def test_speed_holds_the_wake_to_the_fresh_memory_ceiling():
     """Issue 13: a wake copies into memory it has just created, so the speed scenario
     holds it to 0.95 of the H2D ceiling into fresh memory, not to the ceiling of copies
     into memory in use; the sleep stays held to the D2H ceiling."""
-    speed_shortfalls = scenarios.speed_shortfalls
+    speed_shortfalls = speed.speed_shortfalls
     met = {"sleep_ratio": 0.96, "wake_ratio": 0.88, "wake_fresh_ratio": 0.97}
     assert speed_shortfalls(met, 0.9) == []
     assert speed_shortfalls({**met, "wake_fresh_ratio": 0.94}, 0.9) == ["wake below 95% of fresh"]

@@ -19,8 +19,8 @@ import traceback
 from pathlib import Path
 
 from . import loader
-from . import scenarios
-from .scenarios import first_line, outcome
+from . import measure, scenarios
+from .measure import first_line, outcome
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,7 +55,7 @@ def run(scenario: str, tree: Path | None, extension: Path | None, params: dict) 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    scenarios.RESULT_PATH = str(args.out)
+    measure.RESULT_PATH = str(args.out)
     try:
         doc = run(args.scenario, args.tree, args.extension, json.loads(args.params))
     except Exception as exc:
