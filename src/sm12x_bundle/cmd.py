@@ -1,8 +1,10 @@
 """The one choke point for external commands.
 
-Every subprocess the tool starts goes through :func:`run`, which echoes ``+ cmd`` to
-stderr (so an operator can rerun it by hand) and raises :class:`CommandError` with the
-command's own output when it fails. Unit tests patch this single function.
+Every subprocess the tool starts goes through :func:`run` (a command that runs to its
+end) or :func:`start` (a child the tool talks to while it runs: a peer engine, a process
+that holds GPU memory). Both echo ``+ cmd`` to stderr (so an operator can rerun it by
+hand); :func:`run` raises :class:`CommandError` with the command's own output when it
+fails. Unit tests patch these functions.
 Under ``-q`` (:func:`echo_commands` off) nothing is echoed; a failure still carries the
 command line and its output in the error.
 """
@@ -70,3 +72,26 @@ def run(
             + (f":\n{tail}" if tail else "")
         )
     return proc
+
+
+def start(
+    argv: Sequence[str | os.PathLike[str]],
+    *,
+    env: Mapping[str, str] | None = None,
+    echo: bool = True,
+    new_session: bool = False,
+    stderr: int | None = None,
+) -> subprocess.Popen[str]:
+    """Start ``argv`` with pipes to its stdin and stdout (text, line-buffered) and return it
+    running; ``new_session`` puts it and its children in a process group of their own, so
+    that the caller can end them all at once."""
+    args = [os.fspath(a) for a in argv]
+    if echo and _echo_on:
+        print("+ " + shlex.join(args), file=sys.stderr, flush=True)
+    try:
+        return subprocess.Popen(
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1,
+            env=None if env is None else dict(env), start_new_session=new_session,
+        )
+    except FileNotFoundError as exc:
+        raise CommandError(f"{args[0]} not found: install it or put it on PATH") from exc

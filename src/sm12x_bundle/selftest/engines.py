@@ -28,11 +28,11 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from .. import cmd
 from .measure import GRANULARITY, GiB, fill, host_used, intact, outcome, rss, timed
 from .speed import fresh_copy
 
@@ -232,7 +232,7 @@ class Peer:
         if (tree / "csrc").is_dir():  # a source tree with its extension built alone; else the installed vLLM
             argv += ["--tree", str(tree), "--extension", str(Path(cumem.lib_name).resolve())]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.proc = cmd.start(argv, env=env, echo=False)
 
     def ask(self, what: str):
         self.proc.stdin.write(what + "\n")

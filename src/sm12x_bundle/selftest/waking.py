@@ -4,10 +4,10 @@ another process holds."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 
+from .. import cmd
 from .measure import GRANULARITY, MiB, brief, fill, first_line, free_bytes, intact, outcome
 
 def partial_wake(torch, cumem, p: dict) -> dict:
@@ -116,8 +116,7 @@ def foreign_process(torch, cumem, p: dict) -> dict:
         fill(torch, t, (i + 11) << 40)
     torch.cuda.synchronize()
     alloc.sleep(offload_tags=(tag,))
-    taker = subprocess.Popen([sys.executable, "-c", TAKER, str(2 * each + each // 2)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    taker = cmd.start([sys.executable, "-c", TAKER, str(2 * each + each // 2)], echo=False)
     try:
         took = taker.stdout.readline().split()
         if not took or took[0] != "took":

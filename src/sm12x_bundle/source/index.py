@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import urllib.error
 import urllib.parse
 import urllib.request
 from html.parser import HTMLParser
 
-from ..errors import FetchError
+from .. import cmd
+from ..errors import CommandError, FetchError
 
 PYPI = "https://pypi.org/simple"
 _ACCEPT = "application/vnd.pypi.simple.v1+json, text/html;q=0.1"
@@ -28,17 +28,10 @@ def index_url(configured: str | None = None) -> str:
 
 def _pip_config_index() -> str | None:
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "pip", "config", "get", "global.index-url"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
+        proc = cmd.run([sys.executable, "-m", "pip", "config", "get", "global.index-url"], echo=False, timeout=30)
+    except CommandError:  # pip has no such setting (exit 1), or no pip at all
         return None
-    value = proc.stdout.strip()
-    return value if proc.returncode == 0 and value else None
+    return proc.stdout.strip() or None
 
 
 class _Links(HTMLParser):
