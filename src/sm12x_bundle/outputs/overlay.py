@@ -317,6 +317,7 @@ def _make_and_write(
     out = overlays_root(ctx, out)
     check_targets_output(out, targets, force)  # before any image is read or anything built
     engine = connect(bool(verify) or any(not t.pinned for t in targets), ctx.progress)
+    native_build.preflight(ctx, targets, engine)  # before anything is fetched
     overlays = make_overlays(ctx, targets, engine, bool(verify))
     reports: list[Verified] = []
 
