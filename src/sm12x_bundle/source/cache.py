@@ -64,13 +64,16 @@ def locked(cache: Path, key: str) -> Iterator[None]:
     lock_dir = cache / "locks"
     with writing(cache):
         lock_dir.mkdir(parents=True, exist_ok=True)
-        fh = open(lock_dir / f"{key}.lock", "w")
-    with fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+        # O_NONBLOCK: a FIFO planted as a lock file is an error, never a hang.
+        fd = os.open(lock_dir / f"{key}.lock", os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def swap_in(new: Path, dest: Path) -> None:
