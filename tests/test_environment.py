@@ -400,6 +400,16 @@ def test_a_cache_under_proc_is_exit_12(work, offline, capsys, monkeypatch):
     one_sentence(capsys, code, 12, "cannot use the cache folder /proc/sm12x-bundle-cache", "kernel's proc")
 
 
+def test_a_read_only_image_cache_is_exit_12(tmp_path):
+    """What is read out of images is kept beside the sdists (plan/target.image_cache_dir)."""
+    from sm12x_bundle.plan.originals import ImageCache
+
+    with read_only(tmp_path / "src", tmp_path / "ro") as ro:
+        store = ImageCache(ro / "images" / "sha256-0")
+        with pytest.raises(EnvironmentProblem, match=r"cannot write the image cache file .*: Read-only file system"):
+            store.save_facts(None, ["vllm/__init__.py"], {"root": "/x"})
+
+
 def local_index(root: Path, payload: bytes) -> tuple[str, str]:
     """A file:// index holding one sdist whose one big member is ``payload``."""
     import hashlib
