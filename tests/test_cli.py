@@ -113,7 +113,7 @@ def test_each_help_lists_its_own_exit_codes():
     codes = command_exit_codes()
     for name in build_parser()._subparsers._group_actions[0].choices:
         assert _listed_codes(_help(name)) == set(COMMON_CODES) | set(codes[name]), name
-    assert _listed_codes(_help("check")) == {0, 2, 3, 4, 5, 10, 20}
+    assert _listed_codes(_help("check")) == {0, 2, 3, 4, 5, 10, 12, 20}
     assert {10, 20}.isdisjoint(_listed_codes(_help("series")) | _listed_codes(_help("nomad")))
     assert 11 in _listed_codes(_help("nomad")) and 11 in _listed_codes(_help("apply"))
 

@@ -22,7 +22,7 @@ import pytest
 
 from lanekit import LANES, lane_tree  # noqa: F401
 from sm12x_bundle import cmd, native
-from sm12x_bundle.errors import BundleError
+from sm12x_bundle.errors import BundleError, EnvironmentProblem
 
 STUBS = Path(__file__).parent / "stubs"
 
@@ -30,6 +30,7 @@ STUBS = Path(__file__).parent / "stubs"
 def fake_toolkit(root: Path, stubs: str | None = "lib64/stubs") -> Path:
     (root / "include").mkdir(parents=True)
     (root / "include" / "cuda.h").write_text("")
+    (root / "include" / "cuda_runtime_api.h").write_text("")
     if stubs:
         (root / stubs).mkdir(parents=True)
         (root / stubs / "libcuda.so").write_text("")
@@ -98,12 +99,13 @@ def test_cuda_home_comes_from_the_environment(tmp_path, toolkit):
     assert native.find_cuda_home({"CUDA_PATH": str(toolkit)}) == toolkit
 
 
-def test_missing_headers_are_a_clear_error(tmp_path, toolkit):
-    with pytest.raises(BundleError, match=r"cuda\.h not found"):
+def test_missing_headers_are_the_machines_problem(tmp_path, toolkit):
+    """Exit 12 (EnvironmentProblem), not 2 (a bug), naming the header and how to get it."""
+    with pytest.raises(EnvironmentProblem, match=r"there is no .*/none/include/cuda\.h: .* set CUDA_HOME"):
         native.find_cuda_home({"CUDA_HOME": str(tmp_path / "none")})
-    with pytest.raises(BundleError, match=r"cuda\.h not found"):
+    with pytest.raises(EnvironmentProblem, match=r"there is no .*include/cuda\.h"):
         native.cumem_build_argv(tmp_path, tmp_path, cuda_home=tmp_path)
-    with pytest.raises(BundleError, match=r"Python\.h not found"):
+    with pytest.raises(EnvironmentProblem, match=r"there is no .*Python\.h: .*python3-dev"):
         native.cumem_build_argv(tmp_path, tmp_path, cuda_home=toolkit, python_include=tmp_path)
 
 

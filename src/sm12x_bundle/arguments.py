@@ -2,7 +2,9 @@
 parses, so nothing has run and nothing is written when a value is wrong.
 
 argparse turns the sentence into ``sm12x-bundle CMD: error: argument --X: SENTENCE``
-and exit code 2, the code for a malformed command line. The checks shared with the
+and exit code 2, the code for a malformed command line. A well-formed path this machine
+will not let the tool write (a read-only folder, /proc) is EnvironmentProblem instead (exit
+12), raised while parsing too, so nothing has run either. The checks shared with the
 configuration (versions, image references, digests, paths) come from config.py, so an
 option and the key it overrides are refused in the same words.
 """
@@ -14,7 +16,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from . import config
+from . import config, fsutil
+from .errors import EnvironmentProblem
 
 
 def _from(problem: Callable[[str], str | None]) -> Callable[[str], str]:
@@ -105,17 +108,29 @@ def folder_path(value: str) -> Path:
 
 
 def writable_file(value: str) -> Path:
-    """A file path to write a report to: not a folder, under a folder that can be written."""
+    """A file path to write a report to: a new file or a regular one (never a folder, a
+    device such as /dev/null, a FIFO or a socket, links followed: exit 2), under a folder
+    this machine lets the tool write (else EnvironmentProblem, exit 12, also before anything runs)."""
     if not value.strip() or value.endswith(("/", os.sep)):
         raise argparse.ArgumentTypeError(f"must name a file, not {value!r}")
     path = Path(value)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{value!r} is a folder: name a file in it, e.g. {path / 'report.xml'}")
+    problem = fsutil.not_a_file(path)
+    if problem:
+        raise argparse.ArgumentTypeError(f"{value!r} {problem}, not a regular file: name a new file or a regular one")
     parent = path.absolute().parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
         raise argparse.ArgumentTypeError(f"cannot write {value!r}: {parent} is a file, not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"cannot write {value!r}: the folder {parent} is not writable")
+    fsutil.check_parent(path, "report")  # not under /proc or /sys
+    if not os.access(parent, os.W_OK | os.X_OK):  # also false for root on a read-only file system
+        raise EnvironmentProblem(f"cannot write the report {value}: the folder {parent} is {_why_unwritable(parent)}")
     return path
+
+
+def _why_unwritable(folder: Path) -> str:
+    if os.statvfs(folder).f_flag & os.ST_RDONLY:
+        return "on a read-only file system"
+    return "not writable (Permission denied)"

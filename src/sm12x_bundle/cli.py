@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import shutil
 import sys
 import tempfile
 import textwrap
@@ -23,7 +24,7 @@ from . import config as config_mod
 from .checks import check as check_mod
 from .checks import report
 from .context import Context
-from .errors import BundleError, ConfigError
+from .errors import BundleError, ConfigError, environment_problem, is_environment
 from .fsutil import add_force_argument, write_file
 from .progress import Progress
 from .series.lane import Lane, known_fixes
@@ -43,11 +44,15 @@ MEANINGS = {
     9: "a built artifact failed its verification",
     10: "check: no conflict, but some patch has landed upstream",
     11: "an output path is refused (it holds files this tool did not write, or it is a protected "
-    "folder): nothing was written",
+    "folder, a mount point, or a device, FIFO or socket where a file goes): nothing was written",
+    12: "this machine stands in the way: a path it cannot read or write (a read-only or full file "
+    "system, permissions, /proc or /sys), something other than a folder where one must be, or a "
+    "compiler or header a step needs is missing (the message names the path or the tool)",
     20: "check: some patch conflicts",
 }
-# Every command can exit 0, 2 (the command line, or a bug) and 3 (the configuration).
-COMMON_CODES = (0, 2, 3)
+# Every command can exit 0, 2 (the command line, or a bug), 3 (the configuration) and 12
+# (this machine: a path it cannot read or write, a missing tool).
+COMMON_CODES = (0, 2, 3, 12)
 
 EXIT_CODES: dict[str, dict[int, str | None]] = {
     "series": {5: None},
@@ -142,7 +147,7 @@ def cmd_check(ctx: Context, args: argparse.Namespace) -> int:
     with ThreadPoolExecutor(max_workers=min(4, len(runs))) as pool:
         reports = list(pool.map(lambda run: _check_run(ctx, *run, fixes, fuzz), runs))
     if args.junit:
-        write_file(Path(args.junit), report.to_junit(reports).encode())
+        write_file(Path(args.junit), report.to_junit(reports).encode(), what="JUnit report")
     sys.stdout.write(report.to_json(reports) if args.json else report.table(reports))
     return check_mod.exit_code(reports)
 
@@ -320,10 +325,19 @@ def _save_trace(trace: str) -> str:
     return f"written to {path} (SM12X_DEBUG=1 prints it here)"
 
 
+def _environment(exc: OSError) -> int:
+    """A stray OSError that names a path or is the machine's (a full disk): exit 12, one sentence."""
+    what = environment_problem(exc, f"use {exc.filename}" if exc.filename is not None else "go on")
+    print(f"sm12x-bundle: error: {what}", file=sys.stderr)
+    return what.exit_code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parse_args(parser, argv)  # a malformed command line exits 2 here, before anything runs
     try:
+        # A malformed command line exits 2 here, before anything runs; a report path this
+        # machine will not let us write raises EnvironmentProblem (exit 12), also before.
+        args = parse_args(parser, argv)
         config = config_mod.load(args.config)
         progress = Progress.quiet() if args.quiet else Progress.stderr()
         with cmd.echo_commands(not args.quiet):
@@ -334,6 +348,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("sm12x-bundle: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:  # the last line of defence: each step names its own paths first
+        if exc.filename is None and not is_environment(exc) and not isinstance(exc, shutil.Error):
+            return _unexpected(exc)
+        return _environment(exc)
     except Exception as exc:  # noqa: BLE001 - a user sees a sentence, never a traceback
         return _unexpected(exc)
 

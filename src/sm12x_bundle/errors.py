@@ -5,6 +5,9 @@ Library code raises these; only ``cli.main`` turns them into a message and an ex
 
 from __future__ import annotations
 
+import errno
+import re
+
 
 class BundleError(Exception):
     """Base class: a failure the operator can act on. The message is one sentence."""
@@ -69,3 +72,37 @@ class OutputError(BundleError):
     directory. Nothing was written."""
 
     exit_code = 11
+
+
+# What the machine does to a write or a read, never what the input or the tool does: a full
+# or read-only file system, permissions, quotas, a failing disk, no descriptors left.
+ENVIRONMENT_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.EMFILE, errno.ENFILE,
+     errno.EBUSY, errno.EXDEV, errno.ETXTBSY}
+)
+
+
+def is_environment(exc: OSError) -> bool:
+    """Whether an OSError is this machine's doing (a full disk), not the input's (a name too long)."""
+    return exc.errno in ENVIRONMENT_ERRNOS
+
+
+def environment_problem(exc: OSError, doing: str) -> EnvironmentProblem:
+    """One sentence for an OSError: what was being done (``doing``: 'write the patched tree
+    build/x'), the path the system names and its own words. A failed copy of many files
+    (shutil.Error, one entry per file) is summed up by its first file and a count."""
+    failures = _copy_failures(exc)
+    if failures:
+        _src, dst, why = failures[0]
+        words = re.sub(r"^\[Errno \d+\] |: '.*'$", "", str(why))
+        more = f", and {len(failures) - 1} more" if len(failures) > 1 else ""
+        return EnvironmentProblem(f"cannot {doing}: {words} (at {dst}{more})")
+    words = exc.strerror or str(exc)
+    where = f" ({exc.filename})" if exc.filename is not None and str(exc.filename) not in doing else ""
+    return EnvironmentProblem(f"cannot {doing}{where}: {words}")
+
+
+def _copy_failures(exc: OSError) -> list[tuple[str, str, str]]:
+    """shutil.Error's entries (source, destination, why), or [] for any other OSError."""
+    entries = exc.args[0] if exc.args and isinstance(exc.args[0], list) else []
+    return [e for e in entries if isinstance(e, tuple) and len(e) == 3]

@@ -3,7 +3,11 @@ and nothing the tool did not write is ever replaced.
 
 Every folder the tool owns carries :data:`MARKER`. A folder is replaced only when it is
 absent, empty or marked (or ``--force`` says so); the working directory, the home
-folder, the root and the folders above the working directory or the home folder never are.
+folder, the root, the system's top-level folders, the folders above the working directory
+or the home folder, mount points and folders that hold one never are. A file is written
+only as a new file or over a regular file: a device, FIFO, socket or folder at its path
+is refused. What the machine refuses (a read-only or full file system, permissions) is
+:class:`EnvironmentProblem`, one sentence naming the path and the system's words.
 """
 
 from __future__ import annotations
@@ -11,13 +15,15 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from .errors import OutputError
+from .errors import EnvironmentProblem, OutputError, environment_problem, is_environment
 
 MARKER = ".sm12x-bundle-output"
 MARKER_TEXT = (
@@ -29,8 +35,18 @@ MARKER_MTIME = 946684800
 _STAGING_KINDS = ("new", "old")
 
 
-def write_file(path: Path, data: bytes, mode: int = 0o644) -> bool:
-    """Write atomically, and only when the content changes (keeps mtimes and caches stable)."""
+def write_file(path: Path, data: bytes, mode: int = 0o644, what: str = "file") -> bool:
+    """Write atomically, and only when the content changes (keeps mtimes and caches stable).
+    Only a new file or a regular file is written (OutputError for anything else at the
+    path); a write the machine refuses is EnvironmentProblem."""
+    refuse_special_file(path, what)
+    try:
+        return _write_file(path, data, mode)
+    except OSError as exc:
+        raise environment_problem(exc, f"write the {what} {path}") from None
+
+
+def _write_file(path: Path, data: bytes, mode: int) -> bool:
     if path.is_file() and path.read_bytes() == data:
         if (path.stat().st_mode & 0o777) != mode:
             path.chmod(mode)
@@ -48,6 +64,100 @@ def write_file(path: Path, data: bytes, mode: int = 0o644) -> bool:
     return True
 
 
+# --- what stands at a path --------------------------------------------------------------
+
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO (a named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+)
+# File systems that hold the kernel's views, not files: nothing of ours is ever written there.
+PSEUDO_FILE_SYSTEMS = frozenset({
+    "proc", "sysfs", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "pstore", "bpf", "configfs",
+    "efivarfs", "fusectl", "devpts", "mqueue", "binfmt_misc", "autofs", "nsfs", "rpc_pipefs",
+})
+
+
+def kind_of(path: str | os.PathLike[str], follow: bool = True) -> str | None:
+    """What stands at ``path`` when it is not a regular file ('a folder', 'a character
+    device', ...); None for a regular file or nothing (a dangling link is nothing)."""
+    try:
+        mode = (os.stat if follow else os.lstat)(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        raise environment_problem(exc, f"look at {os.fspath(path)}") from None
+    return next((kind for test, kind in _KINDS if test(mode)), None)
+
+
+def not_a_file(path: str | os.PathLike[str]) -> str | None:
+    """'is a character device', 'is a link to a FIFO (a named pipe) (/x/f)' when ``path`` is
+    not a regular file, a link to one or nothing; else None."""
+    kind = kind_of(path)
+    if kind is None:
+        return None
+    return f"is a link to {kind} ({os.path.realpath(path)})" if os.path.islink(path) else f"is {kind}"
+
+
+def refuse_special_file(path: str | os.PathLike[str], what: str = "file") -> None:
+    """A file is written only as a new file or over a regular file (links followed): a
+    device, FIFO, socket or folder at ``path`` is refused (OutputError), even as root."""
+    problem = not_a_file(path)
+    if problem:
+        raise OutputError(
+            f"the {what} {os.fspath(path)} {problem}, not a regular file: refused; name a new file or a regular one"
+        )
+
+
+def _mounts() -> list[tuple[int, str, str]]:
+    """(device number, mount point, file system type) of each mount this process sees."""
+    try:
+        text = Path("/proc/self/mountinfo").read_text()
+    except OSError:  # not Linux, or no /proc: the st_dev test below still holds
+        return []
+    mounts = []
+    for line in text.splitlines():
+        fields = line.split()
+        if "-" not in fields[6:] or len(fields) < 5:
+            continue
+        major, minor = (int(n) for n in fields[2].split(":"))
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        mounts.append((os.makedev(major, minor), point, fields[fields.index("-", 6) + 1]))
+    return mounts
+
+
+def file_system_type(folder: Path) -> str | None:
+    """The type of the file system ``folder`` is on ('ext4', 'proc', ...), when the system says."""
+    try:
+        dev = os.stat(folder).st_dev
+    except OSError:
+        return None
+    return next((kind for number, _point, kind in _mounts() if number == dev), None)
+
+
+def pseudo_file_system(folder: Path) -> str | None:
+    """The kernel file system ``folder`` is on ('proc', 'sysfs'), or None for a real one."""
+    kind = file_system_type(folder)
+    return kind if kind in PSEUDO_FILE_SYSTEMS else None
+
+
+def is_mount_point(path: Path) -> bool:
+    """A mount point: on another device than its parent (os.path.ismount), or mounted there
+    from the same device (a bind mount, which only the mount table shows)."""
+    if os.path.ismount(path):
+        return True
+    real = os.path.realpath(path)
+    return any(point == real for _dev, point, _kind in _mounts())
+
+
+def mount_points_below(folder: Path) -> list[str]:
+    """The mount points inside ``folder`` (moving or deleting it would reach into them)."""
+    real = os.path.realpath(folder).rstrip("/") + "/"
+    return sorted({point for _dev, point, _kind in _mounts() if point.startswith(real)})
+
+
 # --- which folders may be written ------------------------------------------------------
 
 
@@ -57,9 +167,23 @@ def is_ours(folder: Path) -> bool:
     return marker.is_file() and not marker.is_symlink()
 
 
+# The system's own top-level folders (and, merged into /usr on most systems, /usr's own):
+# an output folder is a folder of its own, never one of these.
+SYSTEM_FOLDERS = frozenset({
+    "bin", "boot", "dev", "etc", "home", "lost+found", "media", "mnt", "opt", "proc", "root", "run", "sbin",
+    "snap", "srv", "sys", "tmp", "usr", "var",
+})
+
+
+def _system_folder(path: Path) -> bool:
+    """/etc, /usr, /lib64 ... and /usr/lib, /usr/bin ... (the path as given, or resolved)."""
+    top = path.parent == Path(path.anchor) and (path.name in SYSTEM_FOLDERS or path.name.startswith("lib"))
+    return top or path.parent == Path(path.anchor) / "usr"
+
+
 def refuse_protected(path: str | os.PathLike[str], what: str = "output folder") -> Path:
-    """Refuse '', the working directory, home, the root and the folders above the
-    working directory or home (even with --force); return the path as given."""
+    """Refuse '', the working directory, home, the root, the system's top-level folders and
+    the folders above the working directory or home (even with --force); return the path as given."""
     raw = os.fspath(path)
     target = Path(raw).resolve()
     cwd = Path.cwd().resolve()
@@ -75,6 +199,8 @@ def refuse_protected(path: str | os.PathLike[str], what: str = "output folder") 
         where = "the working directory"
     elif target in cwd.parents:
         where = "a folder above the working directory"
+    elif _system_folder(target) or _system_folder(Path(os.path.abspath(raw))):
+        where = "a system folder"
     else:
         return Path(raw)
     raise OutputError(f"the {what} {raw!r} is {where}: refused, even with --force; name a folder of its own")
@@ -87,18 +213,29 @@ def _first_existing(path: Path) -> Path:
 
 
 def check_parent(dest: Path, what: str) -> None:
-    """Every existing folder on the way to ``dest`` must be a folder (a sentence, not a traceback)."""
+    """Every existing folder on the way to ``dest`` must be a folder (a sentence, not a
+    traceback), on a file system that holds files (not /proc or /sys)."""
     above = _first_existing(dest.absolute().parent)
     if not above.is_dir():
         raise OutputError(f"cannot write the {what} {dest}: {above} is a file, not a folder; choose another path")
+    kernel = pseudo_file_system(above)
+    if kernel:
+        raise EnvironmentProblem(
+            f"cannot write the {what} {dest}: {above} is on the kernel's {kernel} file system, which holds "
+            "no files of ours; choose another path"
+        )
 
 
 def check_replaceable(dest: Path, force: bool = False, what: str = "output folder") -> None:
     """Refuse to replace ``dest`` unless it is absent, empty, a previous output of this tool
-    (marked), or ``force``; nothing is written either way."""
+    (marked), or ``force``; nothing is written either way. A mount point, a folder that holds
+    one, a device, FIFO or socket is refused even with ``force``: it cannot be moved aside."""
     refuse_protected(dest, what)
     check_parent(dest, what)
-    if not os.path.lexists(dest) or force:
+    if not os.path.lexists(dest):
+        return
+    _refuse_immovable(dest, what)
+    if force:
         return
     if dest.is_symlink() or not dest.is_dir():
         raise OutputError(
@@ -116,6 +253,23 @@ def check_replaceable(dest: Path, force: bool = False, what: str = "output folde
         )
 
 
+def _refuse_immovable(dest: Path, what: str) -> None:
+    """What replacing ``dest`` (moving it aside, then deleting it) must never touch."""
+    kind = kind_of(dest, follow=False)
+    if kind not in (None, "a folder"):
+        problem = f"is {kind}"
+    elif dest.is_symlink():
+        return  # the link itself is moved aside, never what it points to
+    elif is_mount_point(dest):
+        problem = "is a mount point"
+    else:
+        inside = mount_points_below(dest) if kind == "a folder" else []
+        if not inside:
+            return
+        problem = f"holds a mount point ({inside[0]})"
+    raise OutputError(f"the {what} {dest} {problem}: refused, even with --force; name a folder of its own")
+
+
 def check_files(
     folder: Path, files: Mapping[str, bytes | None], force: bool = False, what: str = "output folder"
 ) -> None:
@@ -127,6 +281,8 @@ def check_files(
     check_parent(folder / "x", what)
     if os.path.lexists(folder) and not folder.is_dir():
         raise OutputError(f"the {what} {folder} is a file, not a folder: refused; choose another path")
+    for name in files:  # a device, FIFO or socket is never written over, even with force
+        refuse_special_file(folder / name, f"file of the {what}")
     if force or is_ours(folder):
         return
     clobbered = [n for n, data in files.items() if os.path.lexists(folder / n) and not _holds(folder / n, data)]
@@ -169,7 +325,7 @@ def _mkdir(folder: Path, what: str) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise OutputError(f"cannot create the {what} {folder}: {exc.strerror}") from None
+        raise environment_problem(exc, f"create the {what} {folder}") from None
 
 
 def add_force_argument(parser: Any, help_text: str) -> None:
@@ -177,8 +333,9 @@ def add_force_argument(parser: Any, help_text: str) -> None:
     parser.add_argument(
         "--force",
         action="store_true",
-        help=f"{help_text}; without it such a folder is refused (exit 11). '', '.', '~', '/' and "
-        "the folders above the working directory or home are refused even with it",
+        help=f"{help_text}; without it such a folder is refused (exit 11). '', '.', '~', '/', the "
+        "system's top-level folders (/etc, /usr, ...), the folders above the working directory or home, "
+        "mount points and folders that hold one are refused even with it",
     )
 
 
@@ -194,10 +351,17 @@ def _lock(folder: Path) -> int:
 
 def _new_staging(parent: Path, name: str, kind: str) -> tuple[Path, int]:
     """A staging folder, locked while this run uses it and marked ours (in that order, so
-    a cleaner never takes a live one for a leftover)."""
+    a cleaner never takes a live one for a leftover). Nothing is left when this fails."""
     path = Path(tempfile.mkdtemp(prefix=f".{name}.{kind}-", dir=parent))
-    fd = _lock(path)
-    mark(path)
+    fd = -1
+    try:
+        fd = _lock(path)
+        mark(path)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        shutil.rmtree(path, ignore_errors=True)
+        raise
     return path, fd
 
 
@@ -231,21 +395,66 @@ def replace_dir(dest: Path, force: bool = False, what: str = "output folder") ->
     """Yield a fresh staging folder beside ``dest``; on success it becomes ``dest``.
 
     ``dest`` must be absent, empty or a previous output (else OutputError, unless
-    ``force``). On any error the staging folder is removed and ``dest`` is left as it was.
+    ``force``). On any error the staging folder is removed and ``dest`` is left as it was;
+    what the machine refuses (a full or read-only file system) is EnvironmentProblem.
     The staging folder holds the marker, so ``dest`` ends up marked.
     """
     check_replaceable(dest, force, what)
-    dest = dest.absolute()
-    _mkdir(dest.parent, what)
+    shown, dest = dest, dest.absolute()
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise environment_problem(exc, f"write the {what} {shown}") from None
     remove_leftovers(dest)
-    staging, fd = _new_staging(dest.parent, dest.name, "new")
+    try:
+        staging, fd = _new_staging(dest.parent, dest.name, "new")
+    except OSError as exc:  # the staging folder was never made: name the folder it goes in
+        exc.filename = os.fspath(dest.parent)
+        raise environment_problem(exc, f"write the {what} {shown}") from None
     try:
         yield staging
         _swap(staging, dest)
+    except OSError as exc:
+        if not (is_environment(exc) or isinstance(exc, shutil.Error)):
+            raise
+        raise environment_problem(_as_in(exc, staging, shown), f"write the {what} {shown}") from None
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
         os.close(fd)
+
+
+def _as_in(exc: OSError, staging: Path, dest: Path) -> OSError:
+    """The error naming its file where it would be in ``dest``, not in the staging folder."""
+    for attr in ("filename", "filename2"):
+        name = getattr(exc, attr, None)
+        if name is not None and os.fspath(name).startswith(os.fspath(staging)):
+            setattr(exc, attr, os.fspath(dest) + os.fspath(name)[len(os.fspath(staging)):])
+    return exc
+
+
+def copy_tree(src: Path, dest: Path) -> None:
+    """Copy ``src`` into the folder ``dest`` (links as links), stopping at the first file
+    that cannot be written: a full disk is one error, not one per remaining file."""
+
+    def copy(a: str, b: str) -> None:
+        try:
+            shutil.copy2(a, b)
+        except OSError as exc:  # named by the file that could not be written, not the one read
+            raise _CopyStopped(OSError(exc.errno, exc.strerror, b)) from None
+
+    try:
+        shutil.copytree(src, dest, symlinks=True, dirs_exist_ok=True, copy_function=copy)
+    except _CopyStopped as stopped:
+        raise stopped.error from None
+
+
+class _CopyStopped(Exception):
+    """Not an OSError, so that shutil.copytree stops instead of collecting one per file."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def _swap(staging: Path, dest: Path) -> None:
@@ -259,13 +468,24 @@ def _swap(staging: Path, dest: Path) -> None:
 
 
 def _swap_locked(staging: Path, dest: Path) -> None:
+    """Two renames; when either fails (a busy, read-only or other file system), ``dest`` is
+    put back and the folder it was set aside in removed, so nothing is left behind."""
     if not (dest.exists() or dest.is_symlink()):
         os.replace(staging, dest)
         return
     old, fd = _new_staging(dest.parent, dest.name, "old")
     try:
-        os.replace(dest, old / "x")
-        os.replace(staging, dest)
+        try:
+            os.replace(dest, old / "x")
+        except OSError:
+            shutil.rmtree(old, ignore_errors=True)
+            raise
+        try:
+            os.replace(staging, dest)
+        except OSError:
+            os.replace(old / "x", dest)
+            shutil.rmtree(old, ignore_errors=True)
+            raise
         shutil.rmtree(old, ignore_errors=True)
     finally:
         os.close(fd)

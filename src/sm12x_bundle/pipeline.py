@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import fsutil
+from .outputs import native_build
 from .checks.check import Outcome, VersionReport, check_tree
 from .context import Context
 from .errors import ApplyError
@@ -154,6 +155,7 @@ def check_outputs(ctx: Context, steps: list[Step], force: bool = False) -> Path:
 
 def cmd_build(ctx: Context, args: argparse.Namespace) -> int:
     steps = plan(ctx, args.image)
+    native_build.preflight(ctx)  # g++ and cuda.h, when this machine builds: before anything is fetched
     if args.dry_run:
         for n, step in enumerate(steps, 1):
             print(f"{n}. {step.name:<9} -> {step.destination}")

@@ -34,6 +34,8 @@ from typing import Any
 from .. import cmd, native
 from ..errors import CommandError, ConfigError, VerifyError
 from ..plan.native import BuilderPlan, NativePlan
+from ..plan.originals import connect
+from ..plan.target import built_on_host
 from ..progress import Progress
 from .dockerfile import (
     ContextFiles,
@@ -85,6 +87,25 @@ def build_native(
     check_cuda_match(versions, record["cuda_headers"], label, hint)
     record["built_from"] = plan.built_from
     return NativeArtifact(plan.artifact, data, plan.patches, record)
+
+
+_ASK = object()  # preflight's engine: ask the daemon
+
+
+def preflight(ctx: Any, targets: Sequence[Any] | None = None, engine: Any = _ASK) -> None:
+    """Before anything is fetched or written: when this machine will build the cumem extension
+    (a pinned target with no image to build it in), everything that build needs is here, else
+    EnvironmentProblem (exit 12) names what is missing and how to get it. ``build`` (and
+    ``build --dry-run``) and ``overlay`` run it; ``engine`` None: no daemon answers."""
+    targets = list(ctx.config.targets) if targets is None else targets
+    if not any(t.pinned for t in targets):
+        return
+    if engine is _ASK:
+        engine = connect(False, Progress.quiet())
+    on_host = built_on_host(ctx, targets, engine)
+    if on_host:
+        why = "no Docker daemon answers" if engine is None else "the Docker daemon does not hold the image"
+        native.check_host_toolchain(f"for {', '.join(on_host)}, made from the pinned tree: {why}")
 
 
 # --- in a builder container ----------------------------------------------------------

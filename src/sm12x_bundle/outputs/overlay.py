@@ -189,6 +189,7 @@ def check_output(overlays: Sequence[Overlay], out: Path, force: bool = False) ->
     fsutil.check_parent(out / "x", "overlays folder")
     for overlay in overlays:
         check_target_folder(out / overlay.target, force)
+        fsutil.refuse_special_file(out / overlay.target / "current.json", "overlay's current.json")
         if not is_written(overlay_folder(out, overlay), overlay):
             fsutil.check_replaceable(overlay_folder(out, overlay), force, "overlay folder")
 
@@ -219,6 +220,7 @@ def check_targets_output(out: Path, targets: Sequence[TargetConfig], force: bool
     fsutil.check_parent(out / "x", "overlays folder")
     for t in targets:
         check_target_folder(out / t.name, force)
+        fsutil.refuse_special_file(out / t.name / "current.json", "overlay's current.json")
 
 
 def write_overlays(
@@ -315,6 +317,7 @@ def _make_and_write(
     out = overlays_root(ctx, out)
     check_targets_output(out, targets, force)  # before any image is read or anything built
     engine = connect(bool(verify) or any(not t.pinned for t in targets), ctx.progress)
+    native_build.preflight(ctx, targets, engine)  # before anything is fetched
     overlays = make_overlays(ctx, targets, engine, bool(verify))
     reports: list[Verified] = []
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 from ..checks.check import Outcome, VersionReport, check_tree
 from ..errors import ApplyError
-from ..fsutil import check_replaceable, replace_dir
+from ..fsutil import check_replaceable, copy_tree, replace_dir
 from ..series.apply import FileText
 from ..series.patch import Series
 from ..source.pin import SourceTree
@@ -43,7 +42,7 @@ def write_tree(series: Series, source: SourceTree, out: Path, fuzz: int = 0, for
     check_replaceable(out, force)
     report, changes = patched_files(series, source, fuzz)
     with replace_dir(out, force) as staging:
-        shutil.copytree(source.root, staging, symlinks=True, dirs_exist_ok=True)
+        copy_tree(source.root, staging)
         for rel, text in sorted(changes.items()):
             dest = staging / rel
             if text is None:

@@ -89,6 +89,9 @@ def _read_image(engine: Any, ref: str, paths: list[str], store: ImageCache | Non
     return store.read(engine, ref, paths) if store else engine.read_entries(ref, paths)
 
 
+_CACHED = "image cache file"  # a write the machine refuses names it so (EnvironmentProblem)
+
+
 @dataclass(frozen=True)
 class ImageCache:
     """What was read out of one image (by id): the probe's answers, file contents and modes.
@@ -110,14 +113,14 @@ class ImageCache:
             return None
 
     def save_facts(self, root: str | None, paths: Sequence[str], facts: dict[str, Any]) -> None:
-        write_file(self._facts_file(root, paths), json.dumps(facts, sort_keys=True).encode())
+        write_file(self._facts_file(root, paths), json.dumps(facts, sort_keys=True).encode(), what=_CACHED)
 
     def save_files(self, files: dict[str, ImageFile | None]) -> None:
         for path, f in files.items():
             if f is None:
-                write_file(self.folder / "absent" / path.lstrip("/"), b"")
+                write_file(self.folder / "absent" / path.lstrip("/"), b"", what=_CACHED)
             else:
-                write_file(self.folder / "entries" / path.lstrip("/"), f.data, f.mode)
+                write_file(self.folder / "entries" / path.lstrip("/"), f.data, f.mode, what=_CACHED)
 
     def read(self, engine: Any, ref: str, paths: list[str]) -> dict[str, ImageFile | None]:
         known: dict[str, ImageFile | None] = {}

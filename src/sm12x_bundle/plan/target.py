@@ -221,6 +221,27 @@ def _side(ctx: Any, target: TargetConfig, engine: Any | None, lanes: Sequence[La
     return pinned_side(target, ctx.source(lane_named(lanes, target).version))
 
 
+def built_on_host(ctx: Any, targets: Sequence[TargetConfig], engine: Any | None) -> list[str]:
+    """The targets whose native artifacts this machine will build, known before anything is
+    fetched: what :func:`_side` decides (a pinned target whose image no daemon holds stands in
+    with its pinned tree, built on the host), for a lane that has a native patch."""
+    names = []
+    for t in targets:
+        if not t.pinned or not plan_series(lane_named(ctx.lanes, t).series).native:
+            continue
+        if engine is None or not _has_image(engine, t.image):
+            names.append(t.name)
+    return names
+
+
+def _has_image(engine: Any, ref: str) -> bool:
+    try:
+        engine.image_id(ref)
+    except EngineError:
+        return False
+    return True
+
+
 def _native_plans(
     lane: Lane,
     series_plan: SeriesPlan,

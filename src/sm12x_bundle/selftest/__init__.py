@@ -207,7 +207,7 @@ def run(ctx: Context, args: argparse.Namespace) -> int:
     with _workdir(args.work) as work:
         rep = execute(ctx, args, scenarios, work)
     if args.json_out:
-        write_file(args.json_out, report.to_json(rep).encode())
+        write_file(args.json_out, report.to_json(rep).encode(), what="JSON report")
     print(report.to_json(rep) if args.json else report.table(rep), end="")
     return report.exit_code(rep)
 

@@ -3,7 +3,9 @@
 Layout: ``<cache>/sdists/<sha256>/<file>`` and ``<cache>/trees/<sha256>/<top dir>``.
 Entries appear by atomic rename only, under a per-entry lock, so concurrent runs
 either see a whole entry or none, and never download or extract the same one twice.
-An entry found damaged is replaced under the same lock, again by rename.
+An entry found damaged is replaced under the same lock, again by rename. A cache the
+machine will not let us write (read-only, full, a file where its folder goes) is
+EnvironmentProblem (exit 12), one sentence naming the cache folder.
 """
 
 from __future__ import annotations
@@ -16,7 +18,11 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from ..errors import EnvironmentProblem, environment_problem
+from ..fsutil import pseudo_file_system
 from ..progress import Progress
+
+_HINT = "set SM12X_BUNDLE_CACHE to a folder this user can write"
 
 
 def cache_dir() -> Path:
@@ -29,16 +35,45 @@ def cache_dir() -> Path:
 
 
 @contextlib.contextmanager
+def writing(cache: Path) -> Iterator[None]:
+    """Any OSError in the block is the cache's: one sentence naming the cache folder. (Callers
+    that read an archive tell its errors from the machine's first: extract.py.)"""
+    try:
+        yield
+    except OSError as exc:
+        raise unusable(cache, exc) from None
+
+
+def unusable(cache: Path, exc: OSError) -> EnvironmentProblem:
+    """The sentence for a cache folder this machine will not let us use."""
+    above = cache.absolute()
+    while not os.path.lexists(above) and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        return EnvironmentProblem(f"cannot use the cache folder {cache}: {above} is a file, not a folder; {_HINT}")
+    kernel = pseudo_file_system(above)
+    if kernel:
+        return EnvironmentProblem(f"cannot use the cache folder {cache}: {above} is on the kernel's {kernel} file system; {_HINT}")
+    problem = environment_problem(exc, f"write the cache folder {cache}")
+    return EnvironmentProblem(f"{problem}; {_HINT}")
+
+
+@contextlib.contextmanager
 def locked(cache: Path, key: str) -> Iterator[None]:
     """Hold an exclusive lock on one cache entry for the duration of the block."""
     lock_dir = cache / "locks"
-    lock_dir.mkdir(parents=True, exist_ok=True)
-    with open(lock_dir / f"{key}.lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+    with writing(cache):
+        lock_dir.mkdir(parents=True, exist_ok=True)
+        # O_NONBLOCK: a FIFO planted as a lock file is an error, never a hang.
+        fd = os.open(lock_dir / f"{key}.lock", os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def swap_in(new: Path, dest: Path) -> None:

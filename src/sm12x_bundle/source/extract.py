@@ -17,10 +17,10 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from ..errors import FetchError
+from ..errors import FetchError, is_environment
 from ..progress import Progress
 from . import record
-from .cache import locked, notice, swap_in
+from .cache import locked, notice, swap_in, unusable, writing
 
 
 def _unsafe(member: tarfile.TarInfo) -> str | None:
@@ -168,29 +168,40 @@ def _extract_to(sdist: Path, sha: str, dest: Path, progress: Progress | None) ->
         raise FetchError(f"cannot read {sdist}: {exc.strerror}") from None
     if hashlib.sha256(data).hexdigest() != sha:
         raise FetchError(f"{sdist} no longer matches sha256 {sha}: refusing to extract it (run again to fetch it anew)")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
+    cache = dest.parent.parent
+    with writing(cache):
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
     try:
-        try:
-            with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tar:
-                members = check_members(tar, sdist.name)
-                task = (progress or Progress.quiet()).task(f"extracting {sdist.name}", len(members))
-                for member in members:
-                    _extract_one(tar, member, tmp)
-                    task.advance(1)
-                task.done()
-        except (tarfile.TarError, EOFError, OSError) as exc:
-            raise FetchError(f"{sdist.name} is not a readable sdist: {exc}") from None
-        except MemoryError:
-            # tarfile reads an extended header (pax record, GNU long name) whole, at the
-            # size its header declares; a hostile header declares terabytes.
-            raise FetchError(f"{sdist.name}: a member header declares a size too large to read") from None
+        _unpack(data, sdist.name, tmp, cache, progress)
         _top(tmp)  # one top-level folder, before the tree takes its place in the cache
-        record.write(tmp, sha)
-        swap_in(tmp, dest)
+        with writing(cache):
+            record.write(tmp, sha)
+            swap_in(tmp, dest)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _unpack(data: bytes, name: str, tmp: Path, cache: Path, progress: Progress | None) -> None:
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tar:
+            members = check_members(tar, name)
+            task = (progress or Progress.quiet()).task(f"extracting {name}", len(members))
+            for member in members:
+                _extract_one(tar, member, tmp)
+                task.advance(1)
+            task.done()
+    except OSError as exc:
+        if is_environment(exc):  # a full or read-only cache, not the archive
+            raise unusable(cache, exc) from None
+        raise FetchError(f"{name} is not a readable sdist: {exc}") from None
+    except (tarfile.TarError, EOFError) as exc:
+        raise FetchError(f"{name} is not a readable sdist: {exc}") from None
+    except MemoryError:
+        # tarfile reads an extended header (pax record, GNU long name) whole, at the
+        # size its header declares; a hostile header declares terabytes.
+        raise FetchError(f"{name}: a member header declares a size too large to read") from None
 
 
 def _extract_one(tar: tarfile.TarFile, member: tarfile.TarInfo, root: Path) -> None:

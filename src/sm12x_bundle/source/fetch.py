@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..errors import FetchError
 from ..progress import Progress
-from .cache import locked, notice
+from .cache import locked, notice, writing
 
 _CHUNK = 1 << 20
 
@@ -63,25 +63,27 @@ def download(
         if _whole_or_discarded(dest, sha256, progress):  # another run fetched it while we waited
             return dest
         staging = cache / "tmp"
-        staging.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=filename + ".", dir=staging)
+        with writing(cache):
+            staging.mkdir(parents=True, exist_ok=True)
+            fd, tmp_name = tempfile.mkstemp(prefix=filename + ".", dir=staging)
         tmp = Path(tmp_name)
         try:
-            with os.fdopen(fd, "wb") as out:
-                digest = _stream(url, out, filename, progress)
+            with writing(cache), os.fdopen(fd, "wb") as out:  # the last bytes are written as it closes
+                digest = _stream(url, out, filename, progress, cache)
             if digest != sha256:
                 raise FetchError(
                     f"sha256 mismatch for {filename} from {url}: expected {sha256}, "
                     f"got {digest}; the download was discarded"
                 )
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(tmp, dest)
+            with writing(cache):
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(tmp, dest)
         finally:
             tmp.unlink(missing_ok=True)
     return dest
 
 
-def _stream(url: str, out, filename: str, progress: Progress | None) -> str:
+def _stream(url: str, out, filename: str, progress: Progress | None, cache: Path) -> str:
     h = hashlib.sha256()
     try:
         with urllib.request.urlopen(url, timeout=120) as response:
@@ -89,7 +91,7 @@ def _stream(url: str, out, filename: str, progress: Progress | None) -> str:
             task = (progress or Progress.quiet()).task(f"downloading {filename}", total)
             for block in iter(lambda: response.read(_CHUNK), b""):
                 h.update(block)
-                out.write(block)
+                _write(out, block, cache)
                 task.advance(len(block))
             task.done()
     except (urllib.error.URLError, OSError) as exc:
@@ -98,14 +100,25 @@ def _stream(url: str, out, filename: str, progress: Progress | None) -> str:
     return h.hexdigest()
 
 
+def _write(out, block: bytes, cache: Path) -> None:
+    """A write the disk refuses (full, read-only) is the machine's, not the download's."""
+    with writing(cache):
+        out.write(block)
+
+
 def store(local: Path, sha256: str, cache: Path, filename: str, progress: Progress | None = None) -> Path:
     """Copy a local sdist, hashed by the caller, into the cache (atomically)."""
     dest = _entry(cache, sha256, filename)
     with locked(cache, sha256):
         if not _whole_or_discarded(dest, sha256, progress):
-            dest.parent.mkdir(parents=True, exist_ok=True)
             tmp = dest.with_name(dest.name + ".tmp")
-            shutil.copyfile(local, tmp)
+            try:
+                with writing(cache):
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(local, tmp)
+            except BaseException:
+                tmp.unlink(missing_ok=True)  # a full disk leaves no partial copy
+                raise
             if sha256_of(tmp) != sha256:  # changed under us between hash and copy
                 tmp.unlink()
                 raise FetchError(f"{local} changed while it was being copied")
