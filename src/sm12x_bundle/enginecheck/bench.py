@@ -131,7 +131,8 @@ class Engine:
     def call(self, cmd: str, timeout: float | None = None, **args) -> dict:
         reply = self.child.ask(cmd, timeout or self.bench.call_timeout, **args)
         status = "ok" if reply.get("ok") else f"FAILED: {reply.get('error')}"
-        self.bench.progress.say(f"engine-check: {self.name}: {cmd} {args or ''} {reply.get('seconds', 0):.2f} s {status}")
+        shown = " ".join(f"{k}={v}" for k, v in args.items() if k != "prompts")
+        self.bench.progress.say(f"engine-check: {self.name}: {cmd} {shown} {reply.get('seconds', 0):.2f} s {status}")
         return reply
 
     def must(self, cmd: str, what: str, **args) -> dict:

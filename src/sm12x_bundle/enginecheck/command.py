@@ -37,8 +37,8 @@ scenarios (--scenario LETTER or NAME, repeatable; default all, --quick: a only):
                     (injected in the engine core); serve, sleep and wake again
   d2 held-wake      asleep; another process takes the GPU memory; the wake fails; it
                     lets go; the wake is retried
-  e  cross-image    A asleep; an engine of the pristine install starts, generates and
-                    exits; A wakes; tokens
+  e  cross-image    A asleep; an engine of the install as it is (pristine, with
+                    --compare) starts, generates and exits; A wakes; tokens
 A call that fails, hangs (--timeout) or kills the engine is recorded, never a crash of the
 check: pristine's column shows what the unpatched engine does.
 

@@ -116,8 +116,12 @@ def _pool(alloc) -> dict | None:
     pool = getattr(alloc, "backup_pool", None)
     if pool is None:
         return None
+    # Still pinning (threads alive) when a sleep comes: that sleep waits for it.
+    regions = getattr(pool, "regions", [])
     return {"capacity_bytes": pool.capacity(), "in_use_bytes": pool.in_use(),
-            "fallback_bytes": getattr(pool, "fallback_bytes", None)}
+            "fallback_bytes": getattr(pool, "fallback_bytes", None),
+            "pinning": sum(th.is_alive() for th in getattr(pool, "pending", [])),
+            "pin_s": sum(getattr(r, "pin_s", None) or 0.0 for r in regions)}
 
 
 def _pinned(torch) -> dict:

@@ -54,7 +54,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("d2", "held-wake", "wake meets held memory", "single",
              "asleep; another process takes the GPU memory; wake fails; it lets go; wake retried"),
     Scenario("e", "cross-image", "cross-image", "pair",
-             "A asleep; an engine from the pristine install starts, generates, exits; A wakes"),
+             "A asleep; an engine of the install as it is (pristine) starts, generates, exits; A wakes"),
 )
 BY_NAME = {s.name: s for s in SCENARIOS}
 QUICK_SCENARIOS = ("a",)

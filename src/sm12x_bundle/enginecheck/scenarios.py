@@ -107,7 +107,7 @@ def cross_image(bench: Bench, tree: Tree) -> Finding:
 
 
 def other_engine(bench: Bench, f: Finding) -> None:
-    """An engine of the pristine install starts beside sleeping A, generates and exits."""
+    """An engine of the install as it is (pristine) starts beside sleeping A, generates and exits."""
     asleep_used = bench.gpu.used()
     with bench.engine(bench.pristine, "pair", f"{f.tree}-cross-B") as b:
         f.figures["b_engine"] = {"tree": str(bench.pristine.root), **b.facts()}
