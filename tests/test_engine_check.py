@@ -397,6 +397,19 @@ def test_a_session_that_dies_is_a_reply_with_its_last_words(tmp_path):
         assert child.ask("sleep", 30, level=1)["error"] == "fake had exited (code 134)"
 
 
+def test_a_session_that_dies_while_its_engine_core_keeps_the_pipe_open_is_seen_dead_at_once(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    with procs.groups() as groups:
+        child = start_fake(groups, tmp_path, "--die-on", "sleep", "--grandchild", str(pid_file))
+        child.next_message(30)
+        start = time.monotonic()
+        reply = child.ask("sleep", 60, level=1)
+        assert reply["died"] and "code 134" in reply["error"] and time.monotonic() - start < 10
+        grandchild = int(pid_file.read_text())
+        assert not gone(grandchild, within=0.1)  # alive until the group is ended
+    assert gone(grandchild)
+
+
 def test_a_session_that_hangs_is_ended_with_its_engine_core_when_the_call_times_out(tmp_path):
     pid_file = tmp_path / "grandchild.pid"
     with procs.groups() as groups:

@@ -51,11 +51,26 @@ class Child:
             self.lines.put(line)
         self.lines.put(_EOF)
 
+    def _next_line(self, timeout: float):
+        """The next line, _EOF, or None after ``timeout``. A child that has exited counts as
+        ended even while its pipe stays open: a forked engine core keeps a copy of it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.lines.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            except queue.Empty:
+                if self.exit_code() is not None:
+                    try:  # what the reader may still have in hand
+                        return self.lines.get(timeout=1.0)
+                    except queue.Empty:
+                        return _EOF
+                if time.monotonic() >= deadline:
+                    return None
+
     def next_message(self, timeout: float) -> dict:
         """The child's next line; a dict with ``timed_out`` or ``died`` when there is none."""
-        try:
-            line = self.lines.get(timeout=timeout)
-        except queue.Empty:
+        line = self._next_line(timeout)
+        if line is None:
             return {"ok": False, "timed_out": True, "error": f"{self.label}: no answer within {timeout:.0f} s"}
         if line is _EOF:
             code = self.exit_code(wait=5)
