@@ -527,8 +527,10 @@ ALLOCATION = ("Exception: Call to sleep method failed: CuMemAllocator: sleep fai
 
 
 def cycles_figures(sleeps: list[float], wakes: list[float]) -> dict:
+    core = {"engine_core": {"pid": 7, "rss_bytes": 30 * GiB, "locked_bytes": 0, "pinned_bytes": 0}}
     figs = {"tokens_identical": True, "offloaded_bytes": WEIGHTS_13B, "sleeps_s": sleeps, "wakes_s": wakes,
-            "freed_bytes": [39 * GiB] * 3, "pool_bytes": 39 * GiB, "distinct_tokens": 57}
+            "freed_bytes": [39 * GiB] * 3, "pool_bytes": 39 * GiB, "distinct_tokens": 57, "host_awake": core,
+            "host_asleep": core}
     scenarios.speed_figures(CEILINGS, figs)
     return figs
 

@@ -16,6 +16,6 @@ the lane's series. The folders are the layers:
   ``inject`` (what runs inside the engine core), ``holder`` (another process holding GPU
   memory), ``ceilings`` (the pinned-copy ceilings), ``hostmem`` (/proc);
 * the scenarios: ``bench``, ``scenarios``, ``rotation``, ``failures``;
-* the outcome: ``targets``, ``report``; ``runner`` ties them together and ``command`` is
-  the CLI.
+* the outcome: ``targets``, ``report`` (verdict, JSON), ``table`` (text); ``runner`` ties
+  them together and ``command`` is the CLI.
 """

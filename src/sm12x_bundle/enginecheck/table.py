@@ -95,7 +95,7 @@ ROWS: dict[str, list[tuple[str, Callable[[ScenarioResult], str]]]] = {
     "a": [("tokens after each wake", _f(_tokens)), ("first sleep", _f(_first_sleep)),
           ("later sleeps", _f(_later)), ("wakes", _f(_wakes)), ("GPU memory freed", _f(_freed)),
           ("offloaded", _f(lambda f: _gib(f.get("offloaded_bytes")))),
-          ("engine core asleep", _f(_host("host_asleep")))],
+          ("engine core awake", _f(_host("host_awake"))), ("engine core asleep", _f(_host("host_asleep")))],
     "b": [("tokens after reload", _f(_tokens)), ("sleep(2)", _f(lambda f: _s(f.get("sleep_s")))),
           ("GPU memory freed", _f(_freed)), ("wake", _f(lambda f: _s(f.get("wake_s")))),
           ("weights reloaded by", _f(lambda f: f"{f.get('reload') or '-'} ({_s(f.get('reload_s'))})"))],
