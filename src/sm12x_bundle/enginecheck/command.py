@@ -22,8 +22,9 @@ default: the one this Python imports, found without importing it):
   --installed  that vLLM as it is (e.g. in the target image with the overlays mounted)
   --compare    that vLLM (pristine) and a copy of it with the lane's series applied to
                its own files at fuzz 0 and the lane's cumem extension rebuilt here
-               (needs g++ and the CUDA headers; the lane's pinned sdist from the cache,
-               from PyPI, or --sdist FILE); the copy is hard links but for the patched files
+               (needs g++ and the CUDA and Python headers; the lane's pinned sdist from
+               the cache, from PyPI, or --sdist FILE); the copy is hard links but for
+               the patched files (give --work on the install's file system)
 The lane is the one pinned to exactly the install's vLLM version.
 
 scenarios (--scenario LETTER or NAME, repeatable; default all, --quick: a only):
@@ -70,7 +71,7 @@ EXIT_CODES = {
         "vLLM under test (or patched is worse than pristine)",
         11: "--work names a folder that holds files this tool did not write",
         12: "this machine stands in the way: no NVIDIA driver or GPU (NVML), no vLLM importable in this Python, "
-        "or (--compare) no g++, binutils or CUDA headers",
+        "or (--compare) no g++, binutils, CUDA or Python headers",
     }
 }
 
