@@ -16,7 +16,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -27,7 +27,7 @@ from ..fsutil import check_replaceable, claim
 from ..series.lane import Lane
 from ..source.pin import resolve_source
 from . import ceilings as ceilings_mod
-from . import copies, failures, gpu, plan, procs, rotation, scenarios
+from . import copies, failures, gpu, plan, procs, releases, rotation, scenarios
 from .bench import Bench, child_env, settle
 from .install import Install, find_install, lane_for
 from .model import prompts, write_model
@@ -152,7 +152,8 @@ def execute(ctx: Context, opts: Options, pre: Preflight, work: Path, groups: pro
     results = [run_one(bench, scenario, tree, pre.card.used_bytes) for scenario, tree in plan.runs(trees, opts.scenarios)]
     return Report(
         mode="compare" if opts.compare else "installed", quick=opts.quick, lane=pre.lane.version,
-        install={"root": str(pre.install.root), "version": pre.install.version, "version_from": pre.install.version_from},
+        install={"root": str(pre.install.root), "version": pre.install.version, "version_from": pre.install.version_from,
+                 "release_api": asdict(releases.api_for(pre.install.version))},
         card=pre.card.to_dict(), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         trees=[{"label": t.label, "root": str(t.root), "path": [str(p) for p in t.path]} for t in trees],
         sizes=sizes.to_dict(), ceilings=ceilings.to_dict() if ceilings else None, results=results, copy=copy,
