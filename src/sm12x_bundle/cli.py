@@ -261,7 +261,7 @@ def command_exit_codes() -> dict[str, dict[int, str | None]]:
 
 # Output steps and the selftest register their own subcommands: each module has
 # COMMANDS = {name: (help, epilog, add_arguments(parser), run(ctx, args) -> int)}.
-PLUGINS = ("outputs.overlay", "outputs.image", "outputs.nomad", "selftest", "pipeline")
+PLUGINS = ("outputs.overlay", "outputs.image", "outputs.nomad", "selftest", "enginecheck.command", "pipeline")
 
 
 def build_parser() -> argparse.ArgumentParser:

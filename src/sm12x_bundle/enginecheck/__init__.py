@@ -1,0 +1,21 @@
+"""``engine-check``: the fixes shown inside vLLM's own engine, where operators run it.
+
+The check starts ``vllm.LLM`` (engine core in its own process, as ``vllm serve`` runs it)
+from an installed vLLM, on a Llama-shaped model it writes itself (dummy weights, no hub,
+no tokenizer), and drives it through sleep/wake cycles, level 2, a rotation of two
+engines, failures injected inside the engine, and the seeds' cross-image sequence.
+``--compare`` runs each scenario on the install as it is and on a copy of it patched by
+the lane's series. The folders are the layers:
+
+* what runs, decided first: ``install`` (which vLLM, which lane), ``gpu`` (NVML, no CUDA
+  context in the parent), ``model`` (the model folder and its size), ``plan`` (scenarios,
+  sizes), ``releases`` (the few API differences between the lanes);
+* the patched copy: ``copies``;
+* the processes: ``procs`` (the one place that starts long-lived children, each in its own
+  process group), ``protocol`` (the JSON lines they speak), ``session`` (one engine),
+  ``inject`` (what runs inside the engine core), ``holder`` (another process holding GPU
+  memory), ``ceilings`` (the pinned-copy ceilings), ``hostmem`` (/proc);
+* the scenarios: ``bench``, ``scenarios``, ``rotation``, ``failures``;
+* the outcome: ``targets``, ``report`` (verdict, JSON), ``table`` (text); ``runner`` ties
+  them together and ``command`` is the CLI.
+"""

@@ -1,0 +1,140 @@
+"""``sm12x-bundle engine-check``: the command line (registered in cli.PLUGINS)."""
+
+from __future__ import annotations
+
+import argparse
+
+from .. import arguments
+from ..context import Context
+from ..errors import ConfigError
+from ..fsutil import write_file
+from . import plan, report, runner, table
+
+HELP = "run vLLM's own engine on this GPU: sleep/wake, level 2, rotation, failures, pristine against patched"
+EPILOG = """\
+The check starts vllm.LLM from an installed vLLM (engine core in its own process, as
+`vllm serve` runs it) on a Llama-shaped model it writes itself: a config.json, dummy
+weights (load_format="dummy", seeded), no hub, no tokenizer, prompts as token ids. The
+engine size follows the GPU's free memory (NVML) unless --model-gib gives it.
+
+which vLLM (--vllm-path DIR: a folder holding the vllm package, e.g. an unpacked wheel;
+default: the one this Python imports, found without importing it):
+  --installed  that vLLM as it is (e.g. in the target image with the overlays mounted)
+  --compare    that vLLM (pristine) and a copy of it with the lane's series applied to
+               its own files at fuzz 0 and the lane's cumem extension rebuilt here
+               (needs g++ and the CUDA and Python headers; the lane's pinned sdist from
+               the cache, from PyPI, or --sdist FILE); the copy is hard links but for
+               the patched files (give --work on the install's file system)
+The lane is the one pinned to exactly the install's vLLM version.
+
+scenarios (--scenario LETTER or NAME, repeatable; default all, --quick: a only):
+  a  cycles         three sleep(1)/wake; tokens after each wake equal those before;
+                    memory freed; first sleep, later sleeps and wakes against the ceilings
+  b  level2         sleep(2), wake, reload the weights (vLLM's reload_weights, else the
+                    dummy loader again: it writes the same seeded values); tokens
+  c  rotation       two engines on one GPU, B starts while A sleeps, --swaps swaps;
+                    first swap against steady ones, and against the ceilings; tokens
+  d1 failing-sleep  host memory for the backups runs out half-way through a sleep
+                    (injected in the engine core); serve, sleep and wake again
+  d2 held-wake      asleep; another process takes the GPU memory; the wake fails; it
+                    lets go; the wake is retried
+  e  cross-image    A asleep; an engine of the install as it is (pristine, with
+                    --compare) starts, generates and exits; A wakes; tokens
+A call that fails, hangs (--timeout) or kills the engine is recorded, never a crash of the
+check: pristine's column shows what the unpatched engine does.
+
+targets (judged on patched, or on the installed vLLM): tokens identical everywhere; first
+sleep >= 0.8 of the pinned device-to-host ceiling; rotation's first swap <= 1.1x the median
+steady swap; the slowest steady swap <= 1.25x its bytes' time at the ceilings; d1 and d2
+survived. The ceilings (pinned copies of up to 4 GiB) are measured in the same run;
+--quick measures none and judges tokens and survival only. Every process the check starts
+runs in its own process group and is ended on success, failure, timeout and Ctrl-C; the
+report gives the GPU memory in use afterwards (NVML).
+
+examples:
+  sm12x-bundle engine-check --compare --vllm-path /opt/vllm-0.21.0 --json-out engine.json
+  sm12x-bundle engine-check --compare --vllm-path P --sdist vllm-0.21.0.tar.gz --scenario a,b
+  sm12x-bundle engine-check --installed --quick                  # a rollout gate
+  sm12x-bundle engine-check --installed --scenario c --model-gib 8 --swaps 8"""
+
+EXIT_CODES = {
+    "engine-check": {
+        0: "every scenario passes and every target holds on the vLLM under test (--compare: on the patched "
+        "copy, and it is never worse than pristine)",
+        3: "could not run: the vLLM under test is not a lane's release (or --lane names another), "
+        "--vllm-path holds no vllm package, or the engines do not fit the GPU's free memory or the host's",
+        4: "--compare: the lane's pinned sdist could not be fetched, or --sdist does not match its sha256",
+        5: None,
+        6: "--compare: the lane's series does not apply to the install's own files",
+        7: "--compare: the cumem extension did not build, or the ceilings process failed",
+        9: "the check ran and something did not hold: a scenario did not pass or a target was missed on the "
+        "vLLM under test (or patched is worse than pristine)",
+        11: "--work names a folder that holds files this tool did not write",
+        12: "this machine stands in the way: no NVIDIA driver or GPU (NVML), no vLLM importable in this Python, "
+        "or (--compare) no g++, binutils, CUDA or Python headers",
+    }
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--installed", action="store_true", help="the vLLM under test as it is")
+    which.add_argument("--compare", action="store_true", help="the vLLM under test (pristine) and its patched copy")
+    p.add_argument("--vllm-path", type=arguments.existing_folder, metavar="DIR",
+                   help="the folder holding the vllm package (default: what this Python imports)")
+    p.add_argument("--lane", type=arguments.version, metavar="VERSION",
+                   help="refuse to run unless the vLLM under test is this lane's release")
+    p.add_argument("--sdist", type=arguments.existing_file, metavar="FILE",
+                   help="--compare: the lane's pinned sdist, when this machine cannot download it "
+                        "(checked against the pin's sha256)")
+    p.add_argument("--scenario", action="append", type=_scenario, metavar="NAME",
+                   help="run only this scenario (letter or name, repeatable, comma lists)")
+    p.add_argument("--quick", action="store_true",
+                   help="one small engine (1 GiB of weights), scenario a, a few tokens, no ceilings: a rollout gate")
+    p.add_argument("--model-gib", type=arguments.positive_float, metavar="GIB",
+                   help="bf16 weights of each engine (default: 24.25 GiB alone, 12.55 GiB in pairs, "
+                        "at most a third / a sixth of the free GPU memory)")
+    p.add_argument("--swaps", type=arguments.positive_int, default=6, metavar="N",
+                   help="rotation swaps, at least 4 (default 6)")
+    p.add_argument("--timeout", type=arguments.positive_float, default=300, metavar="SECONDS",
+                   help="limit for each engine call (default 300; an engine's start gets twice as long)")
+    p.add_argument("--work", type=arguments.folder_path, metavar="DIR",
+                   help="keep the model folders, the patched copy, logs and bytecode here (default: a temporary folder)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--json-out", type=arguments.writable_file, metavar="FILE", help="also write the JSON report to FILE")
+    p.set_defaults(check_args=_check_args)
+
+
+def _scenario(value: str) -> str:
+    try:
+        plan.select([value])
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def _check_args(args: argparse.Namespace) -> str | None:
+    if args.sdist is not None and not args.compare:
+        return "--sdist goes with --compare (the pinned sources build the patched copy's extension)"
+    if args.swaps < 4:
+        return f"--swaps must be at least 4 (the first swap and three steady ones), not {args.swaps}"
+    return None
+
+
+def options(args: argparse.Namespace) -> runner.Options:
+    return runner.Options(
+        compare=args.compare, vllm_path=args.vllm_path, lane=args.lane, sdist=args.sdist,
+        scenarios=plan.select(args.scenario, quick=args.quick), quick=args.quick, model_gib=args.model_gib,
+        swaps=args.swaps, call_timeout=args.timeout, start_timeout=2 * args.timeout, work=args.work,
+    )
+
+
+def run(ctx: Context, args: argparse.Namespace) -> int:
+    rep = runner.run_check(ctx, options(args))
+    if args.json_out:
+        write_file(args.json_out, report.to_json(rep).encode())
+    print(report.to_json(rep) if args.json else table.table(rep), end="")
+    return report.exit_code(rep)
+
+
+COMMANDS = {"engine-check": (HELP, EPILOG, add_arguments, run)}

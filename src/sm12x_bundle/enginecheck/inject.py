@@ -1,0 +1,158 @@
+"""What runs inside the engine core process, sent there by ``LLM.collective_rpc``.
+
+Each function takes the worker (vLLM passes it first) and returns plain data. cloudpickle
+sends them by reference, so the engine core imports this module by name: it must stay
+importable with the standard library alone (vllm and torch are imported inside).
+
+The host-memory fault: the k-th backup that ``CuMemAllocator.sleep`` takes raises, as a
+pinned host allocation does when host memory runs out. Where the allocator takes its
+backups through ``_backup_for`` (the patched cumem.py: pool or fallback alike), that call
+fails; where it calls ``torch.empty(..., device="cpu")`` inside ``sleep`` (pristine 0.21.0
+and 0.33.0), that call fails: the same point of the same sleep, reached in each release's
+own way, with the code under test unchanged.
+"""
+
+from __future__ import annotations
+
+import gc
+
+OFFLOADED = "weights"
+_FAULT: dict = {}
+
+
+class _FailingTorch:
+    """Stands in for ``torch`` inside cumem.py: its k-th CPU ``empty`` raises."""
+
+    def __init__(self, torch, fault: dict) -> None:
+        self._torch, self._fault = torch, fault
+
+    def __getattr__(self, name):
+        return getattr(self._torch, name)
+
+    def empty(self, *args, **kwargs):
+        if str(kwargs.get("device")) == "cpu":
+            _count_or_fail(self._fault, args[0] if args else None)
+        return self._torch.empty(*args, **kwargs)
+
+
+def _count_or_fail(fault: dict, nbytes) -> None:
+    fault["calls"] += 1
+    if fault["calls"] == fault["fails_at"]:
+        fault["fired"] = True
+        raise RuntimeError(f"injected fault: out of host memory for sleep backup #{fault['fails_at']} ({nbytes} bytes)")
+
+
+def _allocator():
+    from vllm.device_allocator import cumem
+
+    return cumem, cumem.CuMemAllocator.get_instance()
+
+
+def install_host_failure(worker, at: str | int = "middle") -> dict:
+    """Make the ``at``-th backup of the next sleep fail ("middle": half-way through the weights)."""
+    remove_host_failure(worker)
+    cumem, alloc = _allocator()
+    count = sum(1 for d in alloc.pointer_to_data.values() if d.tag == OFFLOADED)
+    k = count // 2 + 1 if at == "middle" else int(at)
+    fault = {"calls": 0, "fails_at": k, "fired": False, "allocations": count}
+    if hasattr(alloc, "_backup_for"):
+        real = alloc._backup_for
+
+        def backup_for(data):
+            _count_or_fail(fault, data.handle[1])
+            return real(data)
+
+        alloc._backup_for = backup_for
+        fault["where"] = "CuMemAllocator._backup_for"
+        fault["undo"] = lambda: delattr(alloc, "_backup_for")
+    else:
+        real_torch = cumem.torch
+        cumem.torch = _FailingTorch(real_torch, fault)
+        fault["where"] = "torch.empty(device='cpu') in CuMemAllocator.sleep"
+        fault["undo"] = lambda: setattr(cumem, "torch", real_torch)
+    _FAULT.update(fault)
+    return _public(fault)
+
+
+def remove_host_failure(worker) -> dict:
+    """Undo the fault; say whether it fired and how many backups were asked for."""
+    if not _FAULT:
+        return {"installed": False}
+    _FAULT.pop("undo")()
+    out = _public(_FAULT)
+    _FAULT.clear()
+    return out
+
+
+def _public(fault: dict) -> dict:
+    return {k: v for k, v in fault.items() if k != "undo"}
+
+
+def allocator_state(worker) -> dict:
+    """The allocator by tag (allocations, bytes, asleep, backed up), its backup pool, the
+    device's memory and PyTorch's pinned host memory, as the engine core sees them."""
+    import torch
+
+    cumem, alloc = _allocator()
+    tags: dict = {}
+    for data in alloc.pointer_to_data.values():
+        t = tags.setdefault(data.tag, {"allocations": 0, "bytes": 0, "asleep": 0, "backed_up_bytes": 0})
+        t["allocations"] += 1
+        t["bytes"] += data.handle[1]
+        # The patched allocator says "asleep", 0.33.0's "is_asleep"; pristine 0.21.0 keeps no flag.
+        asleep = getattr(data, "asleep", getattr(data, "is_asleep", None))
+        if asleep is None or t["asleep"] is None:
+            t["asleep"] = None
+        else:
+            t["asleep"] += bool(asleep)
+        if data.cpu_backup_tensor is not None:
+            t["backed_up_bytes"] += data.handle[1]
+    free, total = torch.cuda.mem_get_info()
+    return {"tags": tags, "free_bytes": free, "total_bytes": total, "backup_pool": _pool(alloc),
+            "pinned": _pinned(torch), "cumem_py": cumem.__file__, "extension": cumem.lib_name}
+
+
+def _pool(alloc) -> dict | None:
+    pool = getattr(alloc, "backup_pool", None)
+    if pool is None:
+        return None
+    # Still pinning (threads alive) when a sleep comes: that sleep waits for it.
+    regions = getattr(pool, "regions", [])
+    return {"capacity_bytes": pool.capacity(), "in_use_bytes": pool.in_use(),
+            "fallback_bytes": getattr(pool, "fallback_bytes", None),
+            "pinning": sum(th.is_alive() for th in getattr(pool, "pending", [])),
+            "pin_s": sum(getattr(r, "pin_s", None) or 0.0 for r in regions)}
+
+
+def _pinned(torch) -> dict:
+    try:
+        stats = torch.cuda.host_memory_stats()
+    except (AttributeError, RuntimeError):
+        return {}
+    return {k: int(v) for k, v in stats.items() if k.endswith("bytes.current") or k.startswith("num_host")}
+
+
+def reload_dummy_weights(worker) -> dict:
+    """The engine's own dummy loader over the model again: the same seeded values."""
+    from vllm.model_executor.model_loader import get_model_loader
+
+    runner = worker.model_runner
+    model, config = runner.get_model(), worker.vllm_config
+    loader = get_model_loader(config.load_config)
+    with _current_config(config):
+        loader.load_weights(model, config.model_config)
+    gc.collect()
+    return {"loader": type(loader).__name__}
+
+
+def _current_config(config):
+    from contextlib import nullcontext
+
+    try:
+        from vllm.config import set_current_vllm_config
+    except ImportError:
+        return nullcontext()
+    return set_current_vllm_config(config)
+
+
+__all__ = ["allocator_state", "install_host_failure", "reload_dummy_weights", "remove_host_failure"]

@@ -1,0 +1,199 @@
+"""What an engine check runs, decided before any engine starts.
+
+The scenarios (issue 23, item 1), which of them run on which vLLM, and how big each engine
+is: pure functions over the options, the GPU's free memory (read through NVML) and the
+host's available memory, tested without a GPU. A size that cannot fit is refused here,
+with a sentence, before anything runs.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError
+from .model import GiB, ModelShape, plan_model
+
+MiB = 1 << 20
+# What an engine takes on the GPU besides weights and KV cache: activations of the profile
+# run (max_num_batched_tokens tokens), the CUDA context, and vLLM's non-torch memory.
+HEADROOM = 3 * GiB
+# What an engine keeps on the GPU while it sleeps (context, memory outside the cumem pools).
+ASLEEP_RESIDUE = 2 * GiB
+MARGIN = 512 * MiB
+# PyTorch's pinned host allocator rounds each backup up to a power of two: up to twice the
+# bytes offloaded (FIELD-NOTES); the backup pool takes them once.
+HOST_BACKUP_FACTOR = 2
+DEFAULT_SINGLE = int(24.25 * GiB)  # Llama-2 13B's shape: the issue's 24.2 GiB engine
+DEFAULT_PAIR = int(12.55 * GiB)  # Llama-2 7B's shape: two engines rotating on one GPU
+QUICK = 1 * GiB
+
+
+@dataclass(frozen=True)
+class Scenario:
+    key: str  # a, b, c, d1, d2, e: issue 23's letters
+    name: str
+    title: str
+    engines: str  # "single": one engine of the single size; "pair": two of the pair size
+    what: str
+
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario("a", "cycles", "sleep/wake cycles", "single",
+             "three sleep(1)/wake cycles; tokens after each wake equal those before the first sleep"),
+    Scenario("b", "level2", "level 2", "single",
+             "sleep(2), wake, reload the weights; tokens equal those before the sleep"),
+    Scenario("c", "rotation", "rotation", "pair",
+             "two engines on one GPU, B starts while A sleeps, then swaps; tokens after every wake"),
+    Scenario("d1", "failing-sleep", "sleep fails part-way", "single",
+             "host memory for the backups runs out half-way through a sleep (injected in the engine core); "
+             "then serve, sleep and wake again"),
+    Scenario("d2", "held-wake", "wake meets held memory", "single",
+             "asleep; another process takes the GPU memory; wake fails; it lets go; wake retried"),
+    Scenario("e", "cross-image", "cross-image", "pair",
+             "A asleep; an engine of the install as it is (pristine) starts, generates, exits; A wakes"),
+)
+BY_NAME = {s.name: s for s in SCENARIOS}
+QUICK_SCENARIOS = ("a",)
+
+
+def select(names: Sequence[str] | None, quick: bool = False) -> tuple[Scenario, ...]:
+    """The scenarios named (by letter or name, comma lists too), in their fixed order;
+    all when none (--quick: cycles alone)."""
+    if not names:
+        return tuple(s for s in SCENARIOS if s.key in QUICK_SCENARIOS) if quick else SCENARIOS
+    chosen = {lookup(n).key for raw in names for n in raw.split(",") if n.strip()}
+    return tuple(s for s in SCENARIOS if s.key in chosen)
+
+
+def lookup(name: str) -> Scenario:
+    name = name.strip()
+    for s in SCENARIOS:
+        if name in (s.key, s.name):
+            return s
+    close = difflib.get_close_matches(name, [*BY_NAME, *(s.key for s in SCENARIOS)], n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    choices = ", ".join(f"{s.key} {s.name}" for s in SCENARIOS)
+    raise ConfigError(f"unknown scenario '{name}'{hint}: choose from {choices}")
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A vLLM to run: its label, the folder holding its ``vllm`` package, and every folder
+    that goes on the engine's PYTHONPATH (the copy first, then the install for its deps)."""
+
+    label: str  # "installed", "pristine" or "patched"
+    root: Path
+    path: tuple[Path, ...]
+
+
+def runs(trees: Sequence[Tree], scenarios: Sequence[Scenario]) -> list[tuple[Scenario, Tree]]:
+    """Scenario by scenario, each on every tree: both columns of a scenario come together."""
+    return [(s, t) for s in scenarios for t in trees]
+
+
+@dataclass(frozen=True)
+class EngineSize:
+    shape: ModelShape
+    kv_cache_bytes: int
+    gpu_memory_utilization: float  # vLLM refuses to start unless this share of the GPU is free
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.shape.weight_bytes()
+
+    def settings(self, model: Path, max_model_len: int = 1024) -> dict:
+        """What a session starts its engine with (releases.engine_kwargs)."""
+        return {"model": str(model), "gpu_memory_utilization": self.gpu_memory_utilization,
+                "kv_cache_bytes": self.kv_cache_bytes, "max_model_len": max_model_len,
+                "max_num_seqs": 8, "max_num_batched_tokens": max_model_len}
+
+    def to_dict(self) -> dict:
+        return {"shape": self.shape.to_dict(), "weight_bytes": self.weight_bytes,
+                "kv_cache_bytes": self.kv_cache_bytes, "gpu_memory_utilization": self.gpu_memory_utilization}
+
+
+def engine_size(weight_target: int, total_bytes: int) -> EngineSize:
+    """An engine of about ``weight_target`` bf16 weight bytes and a KV cache of half that."""
+    shape = plan_model(weight_target)
+    kv = max(256 * MiB, shape.weight_bytes() // 2 // MiB * MiB)
+    util = math.ceil((shape.weight_bytes() + kv + HEADROOM) / total_bytes * 100) / 100
+    return EngineSize(shape, kv, util)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    single: EngineSize | None  # None: no scenario needs it
+    pair: EngineSize | None
+    prompts: int
+    prompt_len: int
+    max_tokens: int
+    cycles: int
+    swaps: int
+    ceiling_bytes: int | None  # None: no ceilings (--quick)
+
+    def to_dict(self) -> dict:
+        out = dict(self.__dict__)
+        out["single"] = self.single.to_dict() if self.single else None
+        out["pair"] = self.pair.to_dict() if self.pair else None
+        return out
+
+
+def plan_sizes(
+    scenarios: Sequence[Scenario],
+    free_bytes: int,
+    total_bytes: int,
+    host_available: int,
+    *,
+    model_gib: float | None = None,
+    quick: bool = False,
+    swaps: int = 6,
+) -> Sizes:
+    """Each engine's size from the GPU's free memory, unless ``--model-gib`` gives its weights.
+
+    One engine: 24.25 GiB of weights (Llama-2 13B's shape; --quick: 1 GiB), at most a third
+    of the free memory. Two rotating engines: 12.55 GiB each (7B's shape), at most a sixth. Each
+    gets a KV cache of half its weights. Refused when it cannot fit: the engine awake, the
+    other one's residue asleep, and the host memory its backups may take."""
+    if swaps < 4:
+        raise ConfigError(f"--swaps must be at least 4 (the first swap and three steady ones), not {swaps}")
+    given = None if model_gib is None else int(model_gib * GiB)
+    kinds = {s.engines for s in scenarios}
+    single = pair = None
+    if "single" in kinds:
+        single = engine_size(given or min(QUICK if quick else DEFAULT_SINGLE, free_bytes // 3), total_bytes)
+        _check_fit("one engine", single, 1, free_bytes, total_bytes, host_available, given is not None)
+    if "pair" in kinds:
+        pair = engine_size(given or min(DEFAULT_PAIR, free_bytes // 6), total_bytes)
+        _check_fit("two engines", pair, 2, free_bytes, total_bytes, host_available, given is not None)
+    return Sizes(single, pair, prompts=2 if quick else 4, prompt_len=16 if quick else 32,
+                 max_tokens=8 if quick else 32, cycles=3, swaps=swaps,
+                 ceiling_bytes=None if quick else min(4 * GiB, max(GiB, free_bytes // 16)))
+
+
+def _check_fit(what: str, size: EngineSize, engines: int, free: int, total: int, host: int, given: bool) -> None:
+    need = math.ceil(size.gpu_memory_utilization * total) + (engines - 1) * ASLEEP_RESIDUE + MARGIN
+    fix = "give a smaller --model-gib" if given else "free GPU memory (stop what runs on it) or give --model-gib"
+    weights = f"{size.weight_bytes / GiB:.2f} GiB of weights and {size.kv_cache_bytes / GiB:.2f} GiB of KV cache"
+    if need > free:
+        raise ConfigError(
+            f"too little free GPU memory: {what} of {weights} need {need / GiB:.1f} GiB, and the GPU has "
+            f"{free / GiB:.1f} GiB free of {total / GiB:.1f}: {fix}"
+        )
+    host_need = engines * HOST_BACKUP_FACTOR * size.weight_bytes
+    if host_need > host:
+        raise ConfigError(
+            f"too little host memory: the backups of {what} of {weights} may take {host_need / GiB:.1f} GiB, and "
+            f"the host has {host / GiB:.1f} GiB available: {fix}"
+        )
+
+
+def host_available(meminfo: Path = Path("/proc/meminfo")) -> int:
+    """MemAvailable in bytes (0 when /proc/meminfo does not say)."""
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0

@@ -1,0 +1,65 @@
+"""Scenario c: two engines from one tree share the GPU and take turns.
+
+A starts, generates and sleeps (its first sleep, reported apart); B starts while A sleeps
+and generates; then each swap sleeps the engine awake and wakes the other, and the engine
+now awake generates: its tokens must equal its own first ones. The first swap holds B's
+first sleep; the steady swaps are the rest. A swap's time is the sleep's and the wake's
+as the sessions timed vLLM's calls; the bytes it moves are what the sleeping engine
+offloaded (D2H) and what the waking one restores (H2D), set against the copy ceilings.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from .bench import Bench, Engine, Finding, recording
+from .ceilings import Ceilings
+from .plan import Tree
+from .scenarios import offloaded_bytes
+
+
+def rotation(bench: Bench, tree: Tree) -> Finding:
+    f = Finding("c", tree.label)
+    with recording(f), bench.engine(tree, "pair", f"{tree.label}-rotation-A") as a:
+        f.figures["engine"] = a.facts()
+        refs = {"A": a.generate("A's first generate")}
+        f.figures["a_first_sleep_s"] = a.must("sleep", "A's first sleep", level=1)["seconds"]
+        f.figures["a_moved_bytes"] = offloaded_bytes(a.state())
+        with bench.engine(tree, "pair", f"{tree.label}-rotation-B") as b:
+            refs["B"] = b.generate("B's first generate")
+            f.figures["host_b_awake"] = b.host_memory()
+            swaps(bench, f, {"A": a, "B": b}, refs)
+    rotation_figures(bench.ceilings, f.figures)
+    return f
+
+
+def swaps(bench: Bench, f: Finding, engines: dict[str, Engine], refs: dict[str, list]) -> None:
+    awake, asleep = "B", "A"
+    for i in range(bench.sizes.swaps):
+        slept = engines[awake].must("sleep", f"swap {i + 1}: {awake}'s sleep", level=1)
+        woke = engines[asleep].must("wake", f"swap {i + 1}: {asleep}'s wake")
+        f.figures.setdefault("swaps", []).append(
+            {"sleeps": awake, "wakes": asleep, "sleep_s": slept["seconds"], "wake_s": woke["seconds"]})
+        if i == 0:
+            f.figures["b_moved_bytes"] = offloaded_bytes(engines[awake].state())
+            f.figures["host_both"] = {name: e.host_memory() for name, e in engines.items()}
+        got = engines[asleep].generate(f"swap {i + 1}: {asleep}'s generate")
+        f.tokens(f"swap {i + 1} ({asleep} awake)", refs[asleep], got)
+        awake, asleep = asleep, awake
+
+
+def rotation_figures(ceilings: Ceilings | None, figs: dict) -> None:
+    """Swap times, the first against the steady ones, and a steady swap against the time
+    its bytes take at the ceilings."""
+    swaps_done = figs.get("swaps") or []
+    if len(swaps_done) < 2:
+        return
+    times = [s["sleep_s"] + s["wake_s"] for s in swaps_done]
+    steady = times[1:]
+    figs.update(swaps_s=times, first_swap_s=times[0], steady_median_s=statistics.median(steady),
+                steady_max_s=max(steady))
+    figs["first_over_steady"] = times[0] / figs["steady_median_s"]
+    moved = max(filter(None, [figs.get("a_moved_bytes"), figs.get("b_moved_bytes")]), default=None)
+    if ceilings and moved:
+        figs["ideal_swap_s"] = ceilings.sleep_seconds(moved) + ceilings.wake_seconds(moved)
+        figs["steady_over_ideal"] = figs["steady_max_s"] / figs["ideal_swap_s"]

@@ -1,0 +1,189 @@
+"""The engine check's report as text: per scenario a table with a column per tree
+(pristine beside patched), then the targets, then the verdict."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .plan import SCENARIOS
+from .report import Report, ScenarioResult, failures, holds
+
+GiB = 1 << 30
+Cell = Callable[[dict], str]
+
+
+def _gib(n) -> str:
+    return "-" if n is None else f"{n / GiB:.2f} GiB"
+
+
+def _s(x) -> str:
+    return "-" if x is None else f"{x:.2f} s"
+
+
+def _ratio(x, of: str) -> str:
+    return "" if x is None else f" ({x:.2f} of {of})"
+
+
+def _tokens(f: dict) -> str:
+    got = f.get("tokens_identical")
+    return "-" if got is None else ("identical" if got else "DIFFER")
+
+
+def _host(key: str) -> Cell:
+    def cell(f: dict) -> str:
+        core = (f.get(key) or {}).get("engine_core") or {}
+        if not core:
+            return "-"
+        return (f"RSS {_gib(core.get('rss_bytes'))}, locked {_gib(core.get('locked_bytes'))}, "
+                f"pinned {_gib(core.get('pinned_bytes'))}")
+
+    return cell
+
+
+def _later(f: dict) -> str:
+    later = f.get("later_sleeps_s") or (f.get("sleeps_s") or [])[1:]
+    return "-" if not later else f"{min(later):.2f}-{max(later):.2f} s" + _ratio(f.get("later_sleep_ratio"), "D2H")
+
+
+def _wakes(f: dict) -> str:
+    wakes = f.get("wakes_s") or []
+    return "-" if not wakes else f"{min(wakes):.2f}-{max(wakes):.2f} s" + _ratio(f.get("wake_ratio"), "H2D")
+
+
+def _freed(f: dict) -> str:
+    freed = f.get("freed_bytes")
+    first = freed[0] if isinstance(freed, list) and freed else freed
+    share = f" ({f['freed_share']:.0%} of its {_gib(f.get('pool_bytes'))} pool)" if f.get("freed_share") else ""
+    return _gib(first) + share
+
+
+def _check(name: str) -> Callable[[ScenarioResult], str]:
+    def cell(r: ScenarioResult) -> str:
+        c = r.checks.get(name)
+        return "-" if c is None else ("yes" if c["held"] else "NO") + f": {c['words'][:70]}"
+
+    return cell
+
+
+def _f(cell: Cell) -> Callable[[ScenarioResult], str]:
+    """A cell of the figures alone."""
+    return lambda r: cell(r.figures)
+
+
+def _swaps(f: dict) -> str:
+    if f.get("steady_median_s") is None:
+        return "-"
+    return f"median {f['steady_median_s']:.2f} s, slowest {f['steady_max_s']:.2f} s" + (
+        f" ({f['steady_over_ideal']:.2f}x the ceilings)" if f.get("steady_over_ideal") else "")
+
+
+def _first_sleep(f: dict) -> str:
+    first = f.get("first_sleep_s") or (f.get("sleeps_s") or [None])[0]
+    return _s(first) + _ratio(f.get("first_sleep_ratio"), "D2H")
+
+
+def _first_swap(f: dict) -> str:
+    over = f.get("first_over_steady")
+    return _s(f.get("first_swap_s")) + (f" ({over:.2f}x steady)" if over else "")
+
+
+def _asleep_a(f: dict) -> str:
+    return _host("host_both")({"host_both": (f.get("host_both") or {}).get("A")})
+
+
+ROWS: dict[str, list[tuple[str, Callable[[ScenarioResult], str]]]] = {
+    "a": [("tokens after each wake", _f(_tokens)), ("first sleep", _f(_first_sleep)),
+          ("later sleeps", _f(_later)), ("wakes", _f(_wakes)), ("GPU memory freed", _f(_freed)),
+          ("offloaded", _f(lambda f: _gib(f.get("offloaded_bytes")))),
+          ("engine core awake", _f(_host("host_awake"))), ("engine core asleep", _f(_host("host_asleep")))],
+    "b": [("tokens after reload", _f(_tokens)), ("sleep(2)", _f(lambda f: _s(f.get("sleep_s")))),
+          ("GPU memory freed", _f(_freed)), ("wake", _f(lambda f: _s(f.get("wake_s")))),
+          ("weights reloaded by", _f(lambda f: f"{f.get('reload') or '-'} ({_s(f.get('reload_s'))})"))],
+    "c": [("tokens after every wake", _f(_tokens)), ("A's first sleep", _f(lambda f: _s(f.get("a_first_sleep_s")))),
+          ("first swap", _f(_first_swap)), ("steady swaps", _f(_swaps)), ("engine A asleep", _f(_asleep_a))],
+    "d1": [("fails naming the allocation", _check("the failure names the allocation")),
+           ("left as before", _check("every byte still on the GPU")),
+           ("serves after it", _check("served after the failed sleep")),
+           ("retry", _check("after the retried sleep and wake"))],
+    "d2": [("fails naming the allocation", _check("the failure names the allocation")),
+           ("left as before", _check("still asleep, nothing kept mapped")),
+           ("retry", _check("after the retried wake"))],
+    "e": [("A's tokens after the other engine", _f(_tokens)),
+          ("the other engine", _f(lambda f: str((f.get("b_engine") or {}).get("tree", "-")))),
+          ("A's wake", _f(lambda f: _s(f.get("a_wake_s"))))],
+}
+
+
+def _grid(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def scenario_block(report: Report, key: str) -> list[str]:
+    scenario = next(s for s in SCENARIOS if s.key == key)
+    labels = report.labels()
+    results = [report.result(label, key) for label in labels]
+    rows = [[f"{key} {scenario.title}", *labels], ["outcome", *[r.outcome.upper() if r else "-" for r in results]]]
+    for name, cell in ROWS[key]:
+        rows.append([name, *[cell(r) if r else "-" for r in results]])
+    lines = [*_grid(rows)]
+    lines += [f"  {label}: {r.reason} [{r.seconds:.0f} s]" for label, r in zip(labels, results) if r]
+    return lines
+
+
+def header(report: Report) -> list[str]:
+    card = report.card
+    first = (f"vLLM engine check on {card.get('name', '?')} (driver {card.get('driver', '?')}), "
+             f"vLLM {report.install.get('version')} with lane {report.lane}, {report.date}")
+    lines = [first]
+    said = {"patched": "a copy of pristine, the lane's series applied", "pristine": "as installed",
+            "installed": "as installed"}
+    for t in report.trees:
+        got = report.versions.get(t["label"]) or {}
+        ran = f"; its engine ran vLLM {got.get('vllm')} with torch {got.get('torch')}" if got else ""
+        lines.append(f"  {t['label']}: {t['root']} ({said.get(t['label'], '')}{ran})")
+    if report.copy:
+        c = report.copy
+        lines.append(f"  the patched copy: {len(c['replaced'])} files replaced, {c['linked']} hard-linked, "
+                     f"{c['copied']} copied")
+    if report.ceilings:
+        lines.append(f"  copy ceilings (pinned, {report.ceilings['bytes'] / GiB:.1f} GiB): D2H "
+                     f"{report.ceilings['d2h_gbps']:.1f} GB/s, H2D {report.ceilings['h2d_gbps']:.1f} GB/s")
+    for key in ("single", "pair"):
+        size = report.sizes.get(key)
+        if size:
+            what = "one engine alone" if key == "single" else "two engines, each"
+            lines.append(f"  {what}: {_gib(size['weight_bytes'])} of weights + {_gib(size['kv_cache_bytes'])} of KV "
+                         f"cache (gpu_memory_utilization {size['gpu_memory_utilization']})")
+    return lines
+
+
+def targets_block(report: Report) -> list[str]:
+    judged = report.targets()
+    labels = report.labels()
+    rows = [["target", *labels]]
+    for key, row in judged[labels[0]].items():
+        cells = [_verdict_cell(judged[label][key]) for label in labels]
+        rows.append([row["words"], *cells])
+    return _grid(rows)
+
+
+def _verdict_cell(row: dict) -> str:
+    mark = {True: "yes", False: "NO", None: "-"}[row["holds"]]
+    return f"{mark}: {row['value']}"
+
+
+def table(report: Report) -> str:
+    lines = header(report) + [""]
+    for key in report.scenario_keys():
+        lines += scenario_block(report, key) + [""]
+    lines += targets_block(report) + [""]
+    if report.cleanup:
+        c = report.cleanup
+        lines.append(f"after every process ended: GPU memory in use {_gib(c.get('used_after_bytes'))} "
+                     f"(before the check: {_gib(c.get('used_before_bytes'))})"
+                     + ("" if c.get("released") else " NOT RELEASED"))
+    why = failures(report)
+    lines.append(f"result: every target holds on {report.judged}" if holds(report)
+                 else f"result: NOT holding on {report.judged}: " + "; ".join(why))
+    return "\n".join(lines) + "\n"

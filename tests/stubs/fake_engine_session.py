@@ -1,0 +1,80 @@
+"""A stand-in for the engine session (sm12x_bundle.enginecheck.session) that needs no GPU.
+
+It is the engine check's only fake: it speaks the session protocol (protocol.py) and
+answers like an engine would, so the parent's side (procs.py, bench.Engine) is tested
+for real: its process groups, timeouts, dead children and Ctrl-C. The engine itself runs
+only on a GPU. Behaviour is chosen by flags:
+
+  --settings JSON          accepted and ignored, as the real session's
+  --grandchild FILE        fork a process that sleeps (the engine core's stand-in) and write its pid
+  --hang-on CMD            never answer CMD
+  --die-on CMD             exit with code 134 and a CUDA-like line on stderr on CMD
+  --fail-on CMD            answer CMD with ok: false
+  --fail-start             answer the start with event: failed
+  --vllm-file PATH         say that the engine imported vllm from PATH
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def tokens(prompts: list[list[int]], n: int) -> list[list[int]]:
+    return [[(sum(p) + i * 7) % 32000 for i in range(n)] for p in prompts]
+
+
+def grandchild(pid_file: str) -> None:
+    pid = os.fork()
+    if pid == 0:  # stays in its parent's process group, as vLLM's engine core does
+        while True:
+            time.sleep(1)
+    with open(pid_file, "w") as fh:
+        fh.write(str(pid))
+
+
+def answer(cmd: str, args: dict) -> dict:
+    if cmd == "generate":
+        return {"tokens": tokens(args["prompts"], args["max_tokens"])}
+    if cmd == "state":
+        return {"tags": {"weights": {"allocations": 4, "bytes": 1 << 30, "asleep": 0, "backed_up_bytes": 0}},
+                "is_sleeping": False}
+    return {}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    for flag in ("--settings", "--grandchild", "--hang-on", "--die-on", "--fail-on", "--vllm-file"):
+        p.add_argument(flag)
+    p.add_argument("--fail-start", action="store_true")
+    args = p.parse_args()
+    print("fake engine: starting", file=sys.stderr, flush=True)
+    if args.grandchild:
+        grandchild(args.grandchild)
+    if args.fail_start:
+        print(json.dumps({"event": "failed", "error": "RuntimeError: no CUDA GPU", "seconds": 0.1}), flush=True)
+        return
+    ready = {"event": "ready", "seconds": 0.1, "vllm": "0.21.0", "pid": os.getpid(), "vllm_file": args.vllm_file}
+    print(json.dumps(ready), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        cmd = request["cmd"]
+        if cmd == args.hang_on:
+            time.sleep(3600)
+        if cmd == args.die_on:
+            print("CUDA error: an illegal memory access was encountered", file=sys.stderr, flush=True)
+            os._exit(134)
+        if cmd == args.fail_on:
+            reply = {"ok": False, "seconds": 0.01, "error": f"Exception: Call to {cmd} method failed: injected"}
+        else:
+            reply = {"ok": True, "seconds": 0.01, **answer(cmd, request["args"])}
+        print(json.dumps(reply), flush=True)
+        if cmd == "exit":
+            return
+
+
+if __name__ == "__main__":
+    main()

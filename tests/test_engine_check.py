@@ -1,0 +1,770 @@
+"""``engine-check`` without a GPU: the vLLM under test and its lane, the model folder and
+its size, the scenario plan, the patched copy against the real vLLM 0.21.0 wheel's layout,
+the session protocol and the process groups (answered by tests/stubs/fake_engine_session.py,
+the only fake), the targets, the verdict and the report.
+
+The engine itself runs only on a GPU: the ``gpu`` tests at the end skip without one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from sm12x_bundle.cli import main
+from sm12x_bundle.enginecheck import (
+    bench,
+    copies,
+    failures,
+    gpu,
+    hostmem,
+    install,
+    model,
+    plan,
+    procs,
+    protocol,
+    releases,
+    report,
+    rotation,
+    scenarios,
+    table,
+)
+from sm12x_bundle.enginecheck.bench import Finding
+from sm12x_bundle.enginecheck.ceilings import Ceilings
+from sm12x_bundle.enginecheck.model import GiB
+from sm12x_bundle.errors import ApplyError, ConfigError, EnvironmentProblem
+from sm12x_bundle.source import cache, fetch, index
+
+STUBS = Path(__file__).parent / "stubs"
+FAKE_SESSION = (sys.executable, str(STUBS / "fake_engine_session.py"))
+GOLDEN = Path(__file__).parent / "golden" / "engine_check"
+UPDATE_GOLDEN = os.environ.get("SM12X_UPDATE_GOLDEN") == "1"
+# The real wheel, pinned by the sha256 PyPI's simple index (JSON form) lists for it.
+WHEEL = "vllm-0.21.0-1-cp38-abi3-manylinux_2_24_x86_64.whl"
+WHEEL_SHA256 = "f4a75b1391f44c67dc1ca268f5ffed9f6b7fdbc657c93db64e6892c5d1bc320b"
+H100 = {"free": 79 * GiB, "total": int(79.65 * GiB), "host": 120 * GiB}
+
+
+def cached_wheel() -> Path:
+    """The wheel in the tool's cache (SM12X_BUNDLE_CACHE honoured), downloaded once."""
+    where = cache.cache_dir()
+    path = where / "sdists" / WHEEL_SHA256 / WHEEL
+    if path.is_file() and fetch.sha256_of(path) == WHEEL_SHA256:
+        return path
+    url, listed = index.find_sdist(index.PYPI, WHEEL)
+    assert listed == WHEEL_SHA256, f"PyPI lists sha256 {listed} for {WHEEL}"
+    return fetch.download(url, WHEEL_SHA256, where, WHEEL)
+
+
+@pytest.fixture(scope="session")
+def wheel_root(tmp_path_factory) -> Path:
+    """vLLM 0.21.0 installed as its wheel lays it out: vllm/'s Python files, its cumem
+    extension and the dist-info (the other compiled kernels are left out)."""
+    root = tmp_path_factory.mktemp("site-packages")
+    with zipfile.ZipFile(cached_wheel()) as whl:
+        wanted = [n for n in whl.namelist() if n.endswith(".py") or ".dist-info/" in n
+                  or n == "vllm/cumem_allocator.abi3.so"]
+        whl.extractall(root, wanted)
+    return root
+
+
+# --- the vLLM under test and its lane ----------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_the_wheel_says_its_version_in_its_metadata_and_gets_its_lane(wheel_root, default_context):
+    found = install.find_install(wheel_root)
+    assert (found.version, Path(found.version_from).name) == ("0.21.0", "METADATA")
+    assert install.lane_for(default_context.lanes, found, None).version == "0.21.0"
+    assert install.lane_for(default_context.lanes, found, "0.21.0").version == "0.21.0"
+
+
+@pytest.mark.integration
+def test_without_dist_info_the_version_comes_from_version_py_read_as_text(wheel_root, tmp_path):
+    (tmp_path / "vllm").mkdir()
+    for name in ("__init__.py", "_version.py"):
+        shutil.copy(wheel_root / "vllm" / name, tmp_path / "vllm" / name)
+    found = install.find_install(tmp_path)
+    assert (found.version, Path(found.version_from).name) == ("0.21.0", "_version.py")
+
+
+def fake_install(root: Path, version: str) -> Path:
+    (root / "vllm").mkdir(parents=True)
+    (root / "vllm" / "__init__.py").write_text("")
+    (root / f"vllm-{version}.dist-info").mkdir()
+    (root / f"vllm-{version}.dist-info" / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    return root
+
+
+def test_a_release_without_a_lane_and_a_disagreeing_lane_are_refused(tmp_path, default_context):
+    other = install.find_install(fake_install(tmp_path / "a", "0.26.0+cu130"))
+    assert other.release == "0.26.0"
+    with pytest.raises(ConfigError, match=r"is vLLM 0.26.0\+cu130 .*no lane is for it \(lanes: 0.21.0, 0.33.0\)"):
+        install.lane_for(default_context.lanes, other, None)
+    ours = install.find_install(fake_install(tmp_path / "b", "0.21.0"))
+    with pytest.raises(ConfigError, match=r"--lane 0.33.0 disagrees with the vLLM under test: .* is vLLM 0.21.0"):
+        install.lane_for(default_context.lanes, ours, "0.33.0")
+
+
+def test_a_folder_without_vllm_is_refused_and_the_package_folder_itself_gets_a_hint(tmp_path):
+    with pytest.raises(ConfigError, match=r"--vllm-path .* holds no vllm package"):
+        install.find_install(tmp_path)
+    pkg = fake_install(tmp_path / "site", "0.21.0") / "vllm"
+    with pytest.raises(ConfigError, match=r"give the folder above it, .*site$"):
+        install.find_install(pkg)
+
+
+def test_an_install_that_does_not_say_its_version_is_refused(tmp_path):
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("")
+    with pytest.raises(ConfigError, match="does not say its version"):
+        install.find_install(tmp_path)
+
+
+def test_no_importable_vllm_is_the_machine_standing_in_the_way(monkeypatch, tmp_path):
+    monkeypatch.setattr(sys, "path", [str(tmp_path)])  # an interpreter path that holds no vllm
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)  # another test may have loaded a tree's
+    with pytest.raises(EnvironmentProblem, match="no vLLM is importable in this Python"):
+        install.find_install(None)
+
+
+# --- the GPU through NVML --------------------------------------------------------------------
+
+
+def test_no_nvidia_library_is_the_machine_standing_in_the_way():
+    with pytest.raises(EnvironmentProblem, match=r"no NVIDIA driver here: libnvidia-ml-absent.so.1 cannot be loaded"):
+        gpu.Nvml("libnvidia-ml-absent.so.1")
+
+
+# --- the model and its size -------------------------------------------------------------------
+
+
+def test_the_model_shapes_are_llama_2s_own_with_their_published_parameter_counts():
+    thirteen, seven = model.plan_model(plan.DEFAULT_SINGLE), model.plan_model(plan.DEFAULT_PAIR)
+    assert (thirteen.hidden, thirteen.layers, thirteen.intermediate) == (5120, 40, 13824)
+    assert thirteen.params() == 13_015_864_320  # Llama-2 13B
+    assert (seven.hidden, seven.layers, seven.intermediate) == (4096, 32, 11008)
+    assert seven.params() == 6_738_415_616  # Llama-2 7B
+    assert round(thirteen.weight_bytes() / GiB, 2) == 24.24
+
+
+@pytest.mark.parametrize("gib", [0.05, 0.5, 1, 3, 12.55, 24.25, 60, 140])
+def test_a_planned_model_comes_near_its_target_and_keeps_32_layers_where_it_can(gib):
+    shape = model.plan_model(int(gib * GiB))
+    assert shape.layers >= 1 and shape.hidden % shape.heads == 0 and shape.heads % shape.kv_heads == 0
+    layer = shape.layer_params() * model.BF16
+    assert abs(shape.weight_bytes() - gib * GiB) <= max(layer, 0) or shape.layers == 1
+    if gib >= 1:
+        assert shape.layers >= model.MIN_LAYERS
+
+
+def test_the_model_folder_holds_a_llama_config_alone(tmp_path):
+    shape = model.plan_model(GiB)
+    folder = model.write_model(tmp_path / "m", shape)
+    assert [p.name for p in folder.iterdir()] == ["config.json"]
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
+    assert (config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]) == (1024, shape.layers, 32000)
+    assert config["head_dim"] * config["num_attention_heads"] == config["hidden_size"]
+
+
+def test_prompts_are_the_same_token_ids_every_time_and_inside_the_vocabulary():
+    first, again = model.prompts(4, 32), model.prompts(4, 32)
+    assert first == again and len(first) == 4 and all(len(p) == 32 for p in first)
+    assert all(100 <= t < model.VOCAB for p in first for t in p)
+
+
+# --- the scenario plan and the sizes --------------------------------------------------------
+
+
+def test_scenarios_by_letter_name_and_list_keep_the_issues_order():
+    assert [s.key for s in plan.select(["e", "rotation", "d2,a"])] == ["a", "c", "d2", "e"]
+    assert plan.select(None) == plan.SCENARIOS
+    assert [s.key for s in plan.select(None, quick=True)] == ["a"]
+    assert [s.key for s in plan.select(["b"], quick=True)] == ["b"]
+
+
+def test_an_unknown_scenario_is_refused_with_a_suggestion():
+    with pytest.raises(ConfigError, match=r"unknown scenario 'rotaton' \(did you mean 'rotation'\?\)"):
+        plan.select(["rotaton"])
+
+
+def test_each_scenario_runs_on_every_tree_both_columns_together():
+    trees = [plan.Tree("pristine", Path("/p"), (Path("/p"),)), plan.Tree("patched", Path("/c"), (Path("/c"), Path("/p")))]
+    got = [(s.key, t.label) for s, t in plan.runs(trees, plan.select(["a", "d1"]))]
+    assert got == [("a", "pristine"), ("a", "patched"), ("d1", "pristine"), ("d1", "patched")]
+
+
+def test_sizes_on_an_h100_are_the_issues_engines():
+    sizes = plan.plan_sizes(plan.SCENARIOS, H100["free"], H100["total"], H100["host"])
+    assert (sizes.single.shape.hidden, sizes.single.shape.layers) == (5120, 40)
+    assert (sizes.pair.shape.hidden, sizes.pair.shape.layers) == (4096, 32)
+    assert sizes.single.kv_cache_bytes == sizes.single.weight_bytes // 2 // plan.MiB * plan.MiB
+    assert sizes.single.gpu_memory_utilization == 0.5 and sizes.pair.gpu_memory_utilization == 0.28
+    assert (sizes.swaps, sizes.cycles, sizes.ceiling_bytes, sizes.max_tokens) == (6, 3, 4 * GiB, 32)
+    settings = sizes.single.settings(Path("/m"))
+    assert settings["kv_cache_bytes"] == sizes.single.kv_cache_bytes and settings["max_model_len"] == 1024
+
+
+def test_quick_is_one_small_engine_without_ceilings():
+    sizes = plan.plan_sizes(plan.select(None, quick=True), H100["free"], H100["total"], H100["host"], quick=True)
+    assert sizes.pair is None and sizes.ceiling_bytes is None
+    assert sizes.single.shape.layers == 37 and sizes.single.shape.hidden == 1024
+    assert (sizes.prompts, sizes.max_tokens) == (2, 8)
+
+
+def test_a_size_that_does_not_fit_the_gpu_is_refused_before_anything_starts():
+    with pytest.raises(ConfigError, match=r"too little free GPU memory: one engine of 24.2\d GiB of weights .* "
+                                          r"the GPU has 30.0 GiB free of 79.6: give a smaller --model-gib"):
+        plan.plan_sizes(plan.select(["a"]), 30 * GiB, H100["total"], H100["host"], model_gib=24.25)
+    with pytest.raises(ConfigError, match=r"too little free GPU memory: one engine .* free GPU memory \(stop what"):
+        plan.plan_sizes(plan.select(["a"]), 4 * GiB, H100["total"], H100["host"])
+    fits = plan.plan_sizes(plan.select(["a"]), 8 * GiB, H100["total"], H100["host"])
+    assert fits.single.weight_bytes <= 8 * GiB // 3 + fits.single.shape.layer_params() * model.BF16
+
+
+def test_two_engines_need_room_for_the_sleeping_ones_residue():
+    alone = plan.plan_sizes(plan.select(["a"]), 23 * GiB, H100["total"], H100["host"], model_gib=12)
+    assert alone.pair is None and alone.single.gpu_memory_utilization == 0.27  # 21.5 GiB
+    with pytest.raises(ConfigError, match="too little free GPU memory: two engines .* need 24.0 GiB"):
+        plan.plan_sizes(plan.select(["c"]), 23 * GiB, H100["total"], H100["host"], model_gib=12)
+
+
+def test_backups_that_may_not_fit_the_hosts_memory_are_refused():
+    with pytest.raises(ConfigError, match=r"too little host memory: the backups of two engines .* may take 50.2 GiB"):
+        plan.plan_sizes(plan.select(["c"]), H100["free"], H100["total"], 40 * GiB)
+
+
+def test_fewer_than_four_swaps_are_refused():
+    with pytest.raises(ConfigError, match="--swaps must be at least 4"):
+        plan.plan_sizes(plan.select(["c"]), H100["free"], H100["total"], H100["host"], swaps=3)
+
+
+def test_the_release_table_reads_each_lanes_row():
+    assert releases.api_for("0.21.0").level1_offloads == ("weights",)
+    assert releases.api_for("0.26.0").since == "0.21.0"
+    assert releases.api_for("0.33.0+cu130").level2_offloads == ("runtime", "cudagraph")
+    kwargs = releases.engine_kwargs(plan.plan_sizes(plan.select(["a"]), *H100.values()).single.settings(Path("/m")))
+    assert kwargs["load_format"] == "dummy" and kwargs["skip_tokenizer_init"] and kwargs["enable_sleep_mode"]
+    assert kwargs["attention_backend"] == "TRITON_ATTN" and kwargs["enforce_eager"]
+
+
+# --- the patched copy, against the real wheel's layout ----------------------------------------
+
+
+@pytest.fixture(scope="session")
+def patched_copy(wheel_root, default_context, tmp_path_factory):
+    """The tool's own patched copy of the wheel's install (the extension built here)."""
+    found = install.find_install(wheel_root)
+    lane = install.lane_for(default_context.lanes, found, None)
+    work = tmp_path_factory.mktemp("work")
+    facts, natives = copies.prepare_patched(found, lane, default_context.source, work, default_context.progress)
+    return found, facts, natives
+
+
+@pytest.mark.integration
+@pytest.mark.native
+def test_the_copys_patched_files_are_the_lanes_patched_tree_and_the_rest_are_hard_links(patched_copy, patched_tree):
+    found, facts, _ = patched_copy
+    replaced = {r["path"] for r in facts.replaced}
+    assert "vllm/device_allocator/cumem.py" in replaced and "vllm/cumem_allocator.abi3.so" in replaced
+    assert len(replaced) == 14  # 13 Python files and the extension (FIELD-NOTES)
+    for path in replaced - {"vllm/cumem_allocator.abi3.so"}:
+        assert (facts.root / path).read_bytes() == (patched_tree / path).read_bytes(), path
+    for rel in (p.relative_to(found.root) for p in found.package.rglob("*") if p.is_file()):
+        ours = (facts.root / rel).stat()
+        theirs = (found.root / rel).stat()
+        if str(rel) in replaced:
+            assert ours.st_ino != theirs.st_ino, rel
+        else:
+            assert (ours.st_ino, ours.st_dev) == (theirs.st_ino, theirs.st_dev), rel
+    existing = sum(1 for p in found.root.rglob("*") if p.is_file())
+    assert facts.copied == 0 and facts.linked == existing - sum(r["pre_image_sha256"] is not None for r in facts.replaced)
+
+
+@pytest.mark.integration
+@pytest.mark.native
+def test_the_install_is_never_written_through_a_link(patched_copy, wheel_root):
+    _, facts, natives = patched_copy
+    with zipfile.ZipFile(cached_wheel()) as whl:
+        for r in facts.replaced:
+            if r["pre_image_sha256"] is not None:
+                assert (wheel_root / r["path"]).read_bytes() == whl.read(r["path"]), r["path"]
+                assert copies.sha256_of(whl.read(r["path"])) == r["pre_image_sha256"]
+    assert not (wheel_root / "vllm" / "device_allocator" / "cumem_backup_pool.py").exists()
+    [built] = natives
+    assert built["built_on"] == "host" and "libcuda.so.1" in built["links"]
+    assert built["built_from"]["patches"] == ["cumem-error-code-reset"]
+
+
+@pytest.mark.integration
+def test_an_install_whose_file_differs_from_the_release_is_refused_naming_the_hunk(wheel_root, default_context, tmp_path):
+    site = tmp_path / "site"
+    shutil.copytree(wheel_root, site)
+    cumem = site / "vllm" / "device_allocator" / "cumem.py"
+    cumem.write_text(cumem.read_text().replace("def _python_free_callback", "def _python_free_callback_renamed"))
+    found = install.find_install(site)
+    with pytest.raises(ApplyError, match=r"the vLLM installed at .*site/vllm: patch cumem-stream-aware-free does "
+                                         r"not apply to .*/device_allocator/cumem.py: hunk"):
+        copies.plan_patched(found, install.lane_for(default_context.lanes, found, None), default_context.source)
+
+
+def test_link_tree_links_files_keeps_links_and_leaves_out_bytecode(tmp_path):
+    src = tmp_path / "src"
+    (src / "pkg" / "__pycache__").mkdir(parents=True)
+    (src / "pkg" / "a.py").write_text("a = 1\n")
+    (src / "pkg" / "__pycache__" / "a.cpython-312.pyc").write_bytes(b"stale")
+    (src / "pkg" / "link.py").symlink_to("a.py")
+    assert copies.link_tree(src, tmp_path / "dest") == (1, 1)
+    assert (tmp_path / "dest" / "pkg" / "a.py").stat().st_ino == (src / "pkg" / "a.py").stat().st_ino
+    assert os.readlink(tmp_path / "dest" / "pkg" / "link.py") == "a.py"
+    assert not (tmp_path / "dest" / "pkg" / "__pycache__").exists()
+    copies.replace_file(tmp_path / "dest" / "pkg" / "a.py", b"a = 2\n", 0o644)
+    assert (src / "pkg" / "a.py").read_text() == "a = 1\n"
+
+
+# --- the protocol -------------------------------------------------------------------------------
+
+
+def test_requests_round_trip_and_anything_else_is_refused():
+    assert protocol.parse_request(protocol.request("sleep", level=1)) == ("sleep", {"level": 1})
+    with pytest.raises(protocol.ProtocolError, match="unknown command 'nap'"):
+        protocol.request("nap")
+    for line in ("not json\n", "[1, 2]\n", '{"cmd": "nap"}\n', '{"cmd": "sleep", "args": 3}\n'):
+        with pytest.raises(protocol.ProtocolError):
+            protocol.parse_request(line)
+
+
+def test_an_error_is_one_line_cut_to_a_limit():
+    exc = RuntimeError("Call to sleep method failed:\n  CuMemAllocator: sleep failed\n")
+    assert protocol.sentence(exc) == "RuntimeError: Call to sleep method failed: CuMemAllocator: sleep failed"
+    assert len(protocol.sentence("x" * 5000)) == protocol.ERROR_LIMIT
+    assert protocol.failed_reply(1.5, "boom") == {"ok": False, "seconds": 1.5, "error": "boom"}
+
+
+# --- sessions in their own process groups (the fake session) ----------------------------------
+
+
+def start_fake(groups: procs.Groups, tmp_path: Path, *flags: str) -> procs.Child:
+    return groups.start([*FAKE_SESSION, *flags], dict(os.environ), tmp_path / "fake.log", "fake", echo=False)
+
+
+def gone(pid: int, within: float = 10.0) -> bool:
+    """The process ended (a zombie counts: it holds nothing)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_session_answers_each_request_with_one_reply(tmp_path):
+    with procs.groups() as groups:
+        child = start_fake(groups, tmp_path, "--fail-on", "wake")
+        assert child.next_message(30)["event"] == "ready"
+        reply = child.ask("generate", 30, prompts=[[1, 2], [3]], max_tokens=3)
+        assert reply["ok"] and reply["tokens"] == [[3, 10, 17], [3, 10, 17]]
+        assert child.ask("sleep", 30, level=1)["ok"]
+        failed = child.ask("wake", 30)
+        assert failed == {"ok": False, "seconds": 0.01, "error": "Exception: Call to wake method failed: injected"}
+        assert child.ask("exit", 30)["ok"]
+        assert child.exit_code(wait=30) == 0
+
+
+def test_a_session_that_dies_is_a_reply_with_its_last_words(tmp_path):
+    with procs.groups() as groups:
+        child = start_fake(groups, tmp_path, "--die-on", "generate")
+        child.next_message(30)
+        reply = child.ask("generate", 30, prompts=[[1]], max_tokens=1)
+        assert reply["ok"] is False and reply["died"]
+        assert reply["error"].startswith("fake exited (code 134): ")
+        assert reply["error"].endswith("CUDA error: an illegal memory access was encountered")
+        assert child.ask("sleep", 30, level=1)["error"] == "fake had exited (code 134)"
+
+
+def test_a_session_that_dies_while_its_engine_core_keeps_the_pipe_open_is_seen_dead_at_once(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    with procs.groups() as groups:
+        child = start_fake(groups, tmp_path, "--die-on", "sleep", "--grandchild", str(pid_file))
+        child.next_message(30)
+        start = time.monotonic()
+        reply = child.ask("sleep", 60, level=1)
+        assert reply["died"] and "code 134" in reply["error"] and time.monotonic() - start < 10
+        grandchild = int(pid_file.read_text())
+        assert not gone(grandchild, within=0.1)  # alive until the group is ended
+    assert gone(grandchild)
+
+
+def test_a_session_that_hangs_is_ended_with_its_engine_core_when_the_call_times_out(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    with procs.groups() as groups:
+        child = start_fake(groups, tmp_path, "--hang-on", "sleep", "--grandchild", str(pid_file))
+        assert child.next_message(30)["event"] == "ready"
+        grandchild = int(pid_file.read_text())
+        assert os.getpgid(grandchild) == child.pid  # the engine core's stand-in shares the group
+        reply = child.ask("sleep", 1, level=1)
+        assert reply["timed_out"] and reply["error"] == "fake: no answer within 1 s"
+        assert gone(child.pid) and gone(grandchild)
+
+
+def test_every_group_ends_with_the_block_even_when_it_raises(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    with pytest.raises(RuntimeError, match="scenario broke"), procs.groups() as groups:
+        child = start_fake(groups, tmp_path, "--grandchild", str(pid_file))
+        child.next_message(30)
+        raise RuntimeError("scenario broke")
+    assert gone(child.pid) and gone(int(pid_file.read_text()))
+    assert groups.started == 1
+
+
+DRIVER = textwrap.dedent("""
+    import os, sys
+    from pathlib import Path
+    from sm12x_bundle.enginecheck import procs
+    fake, pid_file, log = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    with procs.groups() as groups:
+        child = groups.start([sys.executable, fake, "--hang-on", "sleep", "--grandchild", pid_file],
+                             dict(os.environ), log, "fake", echo=False)
+        child.next_message(30)
+        print(child.pid, flush=True)
+        child.ask("sleep", 3600, level=1)
+""")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_ends_every_group_the_check_started(tmp_path, signum):
+    pid_file = tmp_path / "grandchild.pid"
+    env = {**os.environ, "PYTHONPATH": str(Path(procs.__file__).resolve().parents[2])}
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, FAKE_SESSION[1], str(pid_file), str(tmp_path / "log")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    session = int(driver.stdout.readline())
+    grandchild = int(pid_file.read_text())
+    time.sleep(0.3)  # the driver waits for the hung sleep's reply
+    driver.send_signal(signum)
+    _, err = driver.communicate(timeout=60)
+    assert "KeyboardInterrupt" in err
+    assert gone(session) and gone(grandchild)
+
+
+def test_the_engine_core_is_found_among_the_sessions_descendants(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    with procs.groups() as groups:
+        child = start_fake(groups, tmp_path, "--grandchild", str(pid_file))
+        child.next_message(30)
+        grandchild = int(pid_file.read_text())
+        assert hostmem.descendants(child.pid) == [grandchild]
+        core = hostmem.engine_core(child.pid)
+        assert core["pid"] == grandchild and core["rss_bytes"] > 0 and core["name"].startswith(sys.executable)
+        assert core["is_engine_core"] is False  # found as the largest descendant, not by vLLM's name
+        assert set(hostmem.snapshot(child.pid)["session"]) == {"rss_bytes", "locked_bytes", "pinned_bytes"}
+    assert hostmem.status(grandchild) is None or gone(grandchild)
+
+
+def fake_bench(tmp_path: Path, groups: procs.Groups, *flags: str) -> bench.Bench:
+    sizes = plan.plan_sizes(plan.select(["a"]), *H100.values(), quick=True)
+    return bench.Bench(groups, None, sizes, {"single": tmp_path / "model"}, None, None, tmp_path,
+                       model.prompts(2, 4), call_timeout=5, start_timeout=30, session=(*FAKE_SESSION, *flags))
+
+
+def test_an_engine_that_does_not_start_ends_the_scenario_as_an_error(tmp_path):
+    tree = plan.Tree("patched", tmp_path, (tmp_path,))
+    with procs.groups() as groups:
+        b = fake_bench(tmp_path, groups, "--fail-start")
+        f = Finding("a", "patched")
+        with bench.recording(f), b.engine(tree, "single", "patched-cycles"):
+            pytest.fail("the engine started")
+    log = tmp_path / "logs" / "patched-cycles.log"
+    assert f.outcome() == ("error", f"patched-cycles: the engine did not start: RuntimeError: no CUDA GPU (log: {log})")
+
+
+def test_an_engine_that_imported_another_vllm_than_the_trees_is_refused(tmp_path):
+    tree = plan.Tree("patched", tmp_path / "copy", (tmp_path / "copy",))
+    with procs.groups() as groups:
+        b = fake_bench(tmp_path, groups, "--vllm-file", "/usr/lib/python3/dist-packages/vllm/__init__.py")
+        f = Finding("a", "patched")
+        with bench.recording(f), b.engine(tree, "single", "patched-cycles"):
+            pytest.fail("the engine was used")
+    stray = "/usr/lib/python3/dist-packages/vllm/__init__.py"
+    assert f.outcome() == ("error", f"patched-cycles: the engine loaded vllm_file {stray}, not from {tmp_path / 'copy'}")
+
+
+def test_a_call_the_scenario_needs_that_fails_ends_it_as_a_failure_with_the_engines_words(tmp_path):
+    tree = plan.Tree("pristine", tmp_path, (tmp_path,))
+    with procs.groups() as groups:
+        b = fake_bench(tmp_path, groups, "--fail-on", "wake")
+        f = Finding("a", "pristine")
+        with bench.recording(f), b.engine(tree, "single", "pristine-cycles") as e:
+            ref = e.generate("generate before the first sleep")
+            e.must("sleep", "sleep 1", level=1)
+            f.tokens("cycle 1", ref, e.generate("generate"))
+            e.must("wake", "wake 1")
+        child = e.child
+    assert f.outcome() == ("fail", "wake 1 failed: Exception: Call to wake method failed: injected")
+    assert f.figures["tokens_identical"] is True and not child.alive()
+
+
+# --- figures, targets, the verdict and the report ----------------------------------------------
+
+CEILINGS = Ceilings(4 * GiB, 55e9, 53e9)
+WEIGHTS_13B, WEIGHTS_7B = 26_031_728_640, 13_476_831_232
+ALLOCATION = ("Exception: Call to sleep method failed: CuMemAllocator: sleep failed to back up the allocation "
+              "(tag 'weights', 262144000 bytes) at 0x7f3a00000000: injected fault: out of host memory")
+
+
+def cycles_figures(sleeps: list[float], wakes: list[float]) -> dict:
+    core = {"engine_core": {"pid": 7, "rss_bytes": 30 * GiB, "locked_bytes": 0, "pinned_bytes": 0}}
+    figs = {"tokens_identical": True, "offloaded_bytes": WEIGHTS_13B, "sleeps_s": sleeps, "wakes_s": wakes,
+            "freed_bytes": [39 * GiB] * 3, "pool_bytes": 39 * GiB, "distinct_tokens": 57, "host_awake": core,
+            "host_asleep": core}
+    scenarios.speed_figures(CEILINGS, figs)
+    return figs
+
+
+def rotation_figures(first: float, steady: list[float]) -> dict:
+    swaps = [{"sleep_s": t / 2, "wake_s": t / 2} for t in [first, *steady]]
+    figs = {"tokens_identical": True, "swaps": swaps, "a_moved_bytes": WEIGHTS_7B, "b_moved_bytes": WEIGHTS_7B}
+    rotation.rotation_figures(CEILINGS, figs)
+    return figs
+
+
+def checks(*held: tuple[str, bool]) -> dict:
+    return {name: {"held": ok, "words": "ok" if ok else "not so"} for name, ok in held}
+
+
+def survived_result(key: str, tree: str, survived: bool) -> report.ScenarioResult:
+    if survived:
+        return report.ScenarioResult(key, tree, "pass", "survived", 60, {"tokens_identical": True, "survived": True,
+                                     "error": ALLOCATION}, checks(("the failure names the allocation", True)))
+    return report.ScenarioResult(key, tree, "fail", "generate after the failed sleep failed: engine core died", 90,
+                                 {"survived": False, "error": "Exception: Call to sleep method failed: injected fault"},
+                                 checks(("the failure names the allocation", False)))
+
+
+def compare_results() -> list[report.ScenarioResult]:
+    r = report.ScenarioResult
+    return [
+        r("a", "pristine", "pass", "identical tokens", 120, cycles_figures([18.7, 0.51, 0.51], [0.59] * 3)),
+        r("a", "patched", "pass", "identical tokens", 90, cycles_figures([0.51, 0.5, 0.5], [0.59] * 3)),
+        r("b", "pristine", "pass", "identical tokens", 80, {"tokens_identical": True, "reload": "the dummy loader"}),
+        r("b", "patched", "pass", "identical tokens", 80, {"tokens_identical": True, "reload": "the dummy loader"}),
+        r("c", "pristine", "pass", "identical tokens", 200, rotation_figures(16.1, [0.63] * 5)),
+        r("c", "patched", "pass", "identical tokens", 150, rotation_figures(0.61, [0.60, 0.61, 0.60, 0.62, 0.60])),
+        survived_result("d1", "pristine", False), survived_result("d1", "patched", True),
+        survived_result("d2", "pristine", False), survived_result("d2", "patched", True),
+        r("e", "pristine", "pass", "identical tokens", 100, {"tokens_identical": True}),
+        r("e", "patched", "pass", "identical tokens", 100, {"tokens_identical": True}),
+    ]
+
+
+def compare_report(results: list | None = None, quick: bool = False) -> report.Report:
+    sizes = plan.plan_sizes(plan.SCENARIOS, *H100.values())
+    return report.Report(
+        mode="compare", quick=quick, lane="0.21.0",
+        install={"root": "/opt/P", "version": "0.21.0", "version_from": "/opt/P/vllm-0.21.0.dist-info/METADATA"},
+        card={"index": 0, "name": "NVIDIA H100 80GB HBM3", "driver": "580.95.05", "total_bytes": H100["total"],
+              "free_bytes": H100["free"], "used_bytes": GiB // 2},
+        date="2026-11-26T10:00:00+00:00",
+        trees=[{"label": "pristine", "root": "/opt/P", "path": ["/opt/P"]},
+               {"label": "patched", "root": "/w/patched", "path": ["/w/patched", "/opt/P"]}],
+        sizes=sizes.to_dict(), ceilings=CEILINGS.to_dict(), results=compare_results() if results is None else results,
+        copy={"root": "/w/patched", "linked": 3194, "copied": 0, "replaced": [{"path": "vllm/envs.py"}] * 14},
+        cleanup={"used_before_bytes": GiB // 2, "used_after_bytes": GiB // 2, "released": True},
+        versions={label: {"vllm": "0.21.0", "torch": "2.11.0+cu130"} for label in ("pristine", "patched")},
+    )
+
+
+def test_speed_figures_set_each_sleep_and_wake_against_the_ceilings():
+    figs = cycles_figures([0.51, 0.5, 0.48], [0.59, 0.6, 0.62])
+    assert figs["first_sleep_ratio"] == pytest.approx(WEIGHTS_13B / 55e9 / 0.51)
+    assert figs["later_sleep_ratio"] == pytest.approx(WEIGHTS_13B / 55e9 / 0.48)
+    assert figs["wake_ratio"] == pytest.approx(WEIGHTS_13B / 53e9 / 0.59)
+    assert figs["freed_share"] == 1.0 and figs["later_sleeps_s"] == [0.5, 0.48]
+    bare = {"sleeps_s": [1.0], "wakes_s": [1.0], "offloaded_bytes": 1}
+    scenarios.speed_figures(None, bare)
+    assert "first_sleep_ratio" not in bare  # --quick: no ceilings, no ratios
+
+
+def test_rotation_figures_set_the_first_swap_against_the_steady_ones_and_the_ceilings():
+    figs = rotation_figures(0.61, [0.60, 0.61, 0.60, 0.62, 0.60])
+    assert figs["first_swap_s"] == pytest.approx(0.61) and figs["steady_median_s"] == pytest.approx(0.60)
+    assert figs["first_over_steady"] == pytest.approx(0.61 / 0.60)
+    assert figs["ideal_swap_s"] == pytest.approx(WEIGHTS_7B / 55e9 + WEIGHTS_7B / 53e9)
+    assert figs["steady_over_ideal"] == pytest.approx(0.62 / figs["ideal_swap_s"])
+
+
+def test_a_failure_names_the_allocation_by_its_tag_and_its_size_or_address():
+    assert failures.names_allocation(ALLOCATION)
+    assert not failures.names_allocation("Exception: Call to sleep method failed: injected fault: out of host "
+                                         "memory for sleep backup #37 (262144000 bytes)")
+    assert not failures.names_allocation("CUDA Error: invalid argument at cumem_allocator.cpp:145")
+
+
+def test_tokens_that_part_say_where():
+    assert bench.first_difference([[1, 2, 3]], [[1, 2, 3]]) is None
+    assert bench.first_difference([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]]) == "prompt 1, token 1: [5, 6] became [9, 6]"
+    assert bench.first_difference([[1]], []) == "0 outputs for 1 prompts"
+    f = Finding("a", "patched")
+    assert f.tokens("cycle 1", [[1]], [[1]]) and not f.tokens("cycle 2", [[1]], [[2]])
+    assert f.figures["tokens_identical"] is False
+    assert f.outcome() == ("fail", "cycle 2: tokens differ: prompt 0, token 0: [1] became [2]")
+
+
+def test_pristine_failing_where_patched_holds_is_the_proof_and_exits_0():
+    rep = report.from_json(report.to_json(compare_report()))
+    judged = rep.targets()
+    assert {k: v["holds"] for k, v in judged["patched"].items()} == dict.fromkeys(judged["patched"], True)
+    assert judged["pristine"]["first-sleep"] == {"holds": False, "value": "0.03 of D2H",
+                                                 "words": "engine first sleep >= 0.8 of the D2H ceiling"}
+    assert judged["pristine"]["failures"]["value"] == "d1 not survived, d2 not survived"
+    assert judged["pristine"]["rotation-first"]["holds"] is False
+    assert report.holds(rep) and report.exit_code(rep) == 0
+    doc = json.loads(report.to_json(rep))
+    assert doc["holds"] and doc["exit_code"] == 0 and doc["not_holding"] == []
+    assert doc["card"]["name"] == "NVIDIA H100 80GB HBM3" and doc["date"].startswith("2026-11-26")
+
+
+def test_the_report_table(tmp_path):
+    text = table.table(compare_report())
+    path = GOLDEN / "compare.txt"
+    if UPDATE_GOLDEN:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert path.is_file(), f"{path} missing: run with SM12X_UPDATE_GOLDEN=1"
+    assert text == path.read_text(), "the table differs from the golden file (SM12X_UPDATE_GOLDEN=1 refreshes it)"
+
+
+def replaced(results: list, key: str, tree: str, **changes) -> list:
+    out = []
+    for r in results:
+        if (r.scenario, r.tree) == (key, tree):
+            r = report.ScenarioResult(**{**r.__dict__, **changes})
+        out.append(r)
+    return out
+
+
+@pytest.mark.parametrize("key, changes, why", [
+    ("a", {"figures": {**cycles_figures([0.51, 0.5, 0.5], [0.59] * 3), "tokens_identical": False}},
+     "target tokens on patched: not shown identical in a (they differ)"),
+    ("a", {"figures": cycles_figures([1.2, 0.5, 0.5], [0.59] * 3)}, "target first-sleep on patched: 0.39 of D2H"),
+    ("c", {"figures": rotation_figures(0.9, [0.60] * 5)}, "target rotation-first on patched: 1.50x"),
+    ("c", {"figures": rotation_figures(0.7, [0.70] * 5)}, "target rotation-steady on patched: 1.40x"),
+    ("d2", {"outcome": "fail", "figures": {"survived": False}}, "scenario d2 on patched: fail"),
+    ("e", {"outcome": "error", "reason": "the engine did not start"}, "scenario e on patched: error"),
+])
+def test_anything_short_on_patched_exits_9_and_says_what(key, changes, why):
+    rep = compare_report(replaced(compare_results(), key, "patched", **changes))
+    assert report.exit_code(rep) == 9 and why in report.failures(rep)
+    assert why in table.table(rep)
+
+
+def test_patched_worse_than_pristine_is_named_even_where_both_miss_the_target():
+    results = replaced(compare_results(), "b", "patched", outcome="error", reason="the engine did not start")
+    rep = compare_report(replaced(results, "b", "pristine", outcome="pass"))
+    assert "scenario b: pristine pass, patched error" in report.worse(rep)
+
+
+def test_quick_judges_tokens_and_survival_not_speed():
+    results = [report.ScenarioResult("a", "installed", "pass", "ok", 20, cycles_figures([3.0, 0.1, 0.1], [0.1] * 3))]
+    rep = compare_report(results, quick=True)
+    rep.mode, rep.trees = "installed", [{"label": "installed", "root": "/opt/P", "path": ["/opt/P"]}]
+    assert rep.targets()["installed"]["first-sleep"]["holds"] is None
+    assert report.exit_code(rep) == 0
+
+
+def test_no_scenario_is_no_verdict():
+    rep = compare_report([])
+    assert report.exit_code(rep) == 9 and "no scenario ran" in report.failures(rep)
+
+
+# --- the command line --------------------------------------------------------------------------
+
+
+def nvml_or_none() -> gpu.Nvml | None:
+    try:
+        return gpu.Nvml()
+    except EnvironmentProblem:
+        return None
+
+
+@pytest.mark.skipif(nvml_or_none() is not None, reason="this machine has an NVIDIA driver")
+def test_no_gpu_is_exit_12_before_anything_is_written(tmp_path, capsys):
+    work = tmp_path / "work"
+    code = main(["engine-check", "-q", "--compare", "--vllm-path", str(fake_install(tmp_path / "site", "0.21.0")),
+                 "--work", str(work)])
+    assert code == 12 and not work.exists()
+    assert "error: no NVIDIA driver here: libnvidia-ml.so.1 cannot be loaded" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("version, argv, message", [
+    ("0.26.0", [], "is vLLM 0.26.0 (read from"),
+    ("0.21.0", ["--lane", "0.33.0"], "--lane 0.33.0 disagrees with the vLLM under test"),
+])
+def test_a_vllm_that_is_not_the_lanes_is_exit_3_before_the_gpu_is_asked(tmp_path, capsys, version, argv, message):
+    site = fake_install(tmp_path / "site", version)
+    assert main(["engine-check", "-q", "--installed", "--vllm-path", str(site), *argv]) == 3
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--installed", "--sdist", __file__], "--sdist goes with --compare"),
+    (["--installed", "--swaps", "3"], "--swaps must be at least 4"),
+    (["--installed", "--compare"], "not allowed with argument"),
+    (["--installed", "--scenario", "d3"], "unknown scenario 'd3'"),
+    (["--installed", "--model-gib", "0"], "must be a positive number"),
+])
+def test_a_malformed_command_line_is_exit_2(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        main(["engine-check", *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_help_teaches_with_examples_and_exit_codes(capsys):
+    with pytest.raises(SystemExit):
+        main(["engine-check", "--help"])
+    out = capsys.readouterr().out
+    assert "examples:" in out and "d1 failing-sleep" in out and "targets (judged on patched" in out
+    for code in (0, 2, 3, 4, 6, 7, 9, 11, 12):
+        assert f"\n  {code:<4}" in out, code
+
+
+# --- on a GPU (the device machine): skipped elsewhere ------------------------------------------
+
+NEEDS_GPU = "needs an NVIDIA GPU and its driver (the device machine: H100 or H200)"
+
+
+@pytest.mark.gpu
+def test_nvml_reads_the_card_without_a_cuda_context():
+    nvml = nvml_or_none() or pytest.skip(NEEDS_GPU)
+    card = nvml.card()
+    assert card.total_bytes > card.free_bytes > 0 and card.name and card.driver
+
+
+@pytest.mark.gpu
+def test_the_quick_engine_check_passes_on_this_gpu(tmp_path):
+    """SM12X_ENGINE_VLLM names the folder holding vLLM (else the one this Python imports)."""
+    nvml_or_none() or pytest.skip(NEEDS_GPU)
+    given = os.environ.get("SM12X_ENGINE_VLLM")
+    try:
+        found = install.find_install(Path(given) if given else None)
+    except (ConfigError, EnvironmentProblem) as exc:
+        pytest.skip(f"no vLLM to run: {exc} (set SM12X_ENGINE_VLLM)")
+    out = tmp_path / "quick.json"
+    code = main(["engine-check", "-q", "--installed", "--quick", "--vllm-path", str(found.root), "--json-out", str(out)])
+    doc = json.loads(out.read_text())
+    assert code == 0, doc["not_holding"]
+    assert doc["cleanup"]["released"] and doc["results"][0]["figures"]["tokens_identical"]
