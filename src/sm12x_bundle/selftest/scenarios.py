@@ -953,7 +953,8 @@ RUNNERS = {
     "foreign-process": foreign_process,
     "fault-stress": fault_stress,
 }
-# Issue 13's scenarios, registered here: speed.py uses the helpers above.
+# Issue 13's and 24's scenarios, registered here: speed.py and ranks.py use the helpers above.
+from .ranks import ranks
 from .speed import first_sleep, rotation
 
-RUNNERS.update({"first-sleep": first_sleep, "rotation": rotation})
+RUNNERS.update({"first-sleep": first_sleep, "rotation": rotation, "ranks": ranks})
