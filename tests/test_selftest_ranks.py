@@ -77,6 +77,10 @@ def test_the_verdict():
     assert ranks.judge(lost, 2)[0] == "fail" and "did not restore every byte" in ranks.judge(lost, 2)[1]
     retried = {**good, "sleep": [doc(0), doc(1, retry=[state(1, "again")])]}
     assert ranks.judge(retried, 2)[0] == "fail"
+    unreached = {**good, "sleep": [doc(0, unreached="no rank raised: the injected failure was not reached")] * 2}
+    assert ranks.judge(unreached, 2) == (
+        "error", "a sleep whose host memory ran out on the last rank: no rank raised: the injected failure was "
+                 "not reached")
     crashed = {**good, "wake": [doc(0), {"rank": 1, "crash": "CommandError: exit code 134"}]}
     assert ranks.judge(crashed, 2) == ("error", "wake: rank 1 could not run: CommandError: exit code 134")
 
@@ -112,6 +116,8 @@ def test_after_a_split_no_rank_touches_its_memory_or_retries():
     rank = ReplayRank([])
     out = ranks._after_failure(rank, [state(0, None, (False, False)), state(1, "oom")], "sleep", True)
     assert out["split"] == "rank 1 raised, rank 0 did not" and rank.calls == []
+    out = ranks._after_failure(rank, [state(0, None, (False, False)), state(1, None, (False, False))], "sleep", True)
+    assert out["unreached"] and rank.calls == []
 
 
 def test_after_an_agreed_failure_the_ranks_check_retry_and_complete_the_cycle():

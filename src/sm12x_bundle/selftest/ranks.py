@@ -196,7 +196,9 @@ def phase_sleep(rank: Rank, args) -> dict:
 
 def _after_failure(rank: Rank, states: list[dict], op: str, expect_mapped: bool) -> dict:
     doc = {"failed_call": states, "split": all_or_nothing(states)}
-    if doc["split"] or not states[0]["error"]:
+    if not doc["split"] and not states[0]["error"]:
+        doc["unreached"] = "no rank raised: the injected failure was not reached"
+    if doc["split"] or doc.get("unreached"):
         return doc
     if any(m != expect_mapped for s in states for m in s["mapped"]):
         doc["split"] = "every rank raised, but not every rank is as before the call"
@@ -405,6 +407,8 @@ def judge(docs: dict[str, list[dict]], world: int) -> tuple[str, str]:
             "a wake that met memory another process held on the last rank's GPU"
         if d.get("split"):
             return "fail", f"{what}: the ranks split ({d['split']})"
+        if d.get("unreached"):
+            return "error", f"{what}: {d['unreached']}"
         if not all(x.get("intact") and x.get("intact_after_failure", True) and not _raised(x) for x in docs[ph]):
             return "fail", f"{what}: every rank undid its part, but the retry did not restore every byte"
         words.append(f"{what} failed on every rank and left each as before; the retry restored every byte")
