@@ -13,12 +13,15 @@
 #                                               # issue 12: every scenario (1-10, or the
 #                                               # comma-separated list given), fault stress
 #                                               # with 10,000 cycles
-#   scripts/gpu-validation.sh lane DIR OUT      # issue 14: every scenario on a lane's trees
+#   scripts/gpu-validation.sh lane DIR OUT      # issue 14: scenarios 1-12 on a lane's trees
 #                                               # in one run that fits 10 minutes (smaller
-#                                               # speed, stress and fault-stress sizes)
+#                                               # speed, stress and fault-stress sizes; 13
+#                                               # has its own stage, ranks)
 #   scripts/gpu-validation.sh wake DIR OUT [GIB] # issue 13, the wake's order: the new-memory
 #                                               # bench, then the lane comparison with the
 #                                               # speed scenarios at GIB (default 16)
+#   scripts/gpu-validation.sh ranks DIR OUT     # issue 24: scenario 13 alone (sleep and wake
+#                                               # across ranks, one per GPU or 4 on one GPU)
 #
 # prepare: the pinned tree (sm12x-bundle fetch) and the patched tree (sm12x-bundle apply),
 # each cut down to what the selftest uses (csrc/cumem_allocator*, and the vllm packages
@@ -34,6 +37,7 @@
 # own JSON) and transactions.log.
 # lane: writes env.txt, lane.json, lane-work.tar (each scenario's own JSON) and lane.log.
 # wake: writes env.txt, new-memory.json, wake.json and wake.log.
+# ranks: writes env.txt, ranks.json, ranks-work.tar (each scenario's own JSON) and ranks.log.
 # The slices of 0.33.0's trees are about 6 MB each: its cumem.py imports vllm.platforms and
 # vllm.utils.torch_utils, all inside the same folders as 0.21.0's.
 # Each stage has a time limit so that one slow stage cannot starve the others.
@@ -147,8 +151,9 @@ lane() {
   local dir=$1 out=$2
   setup "$dir" "$out" lane.log
 
-  echo "== selftest --compare, every scenario (speed 16 GiB, stress 300 cycles, fault stress 2,000 cycles, seed 1)"
+  echo "== selftest --compare, scenarios 1-12 (speed 16 GiB, stress 300 cycles, fault stress 2,000 cycles, seed 1)"
   timeout 540 python3 -m sm12x_bundle selftest --compare "$dir/pristine" "$dir/patched" "${include[@]}" \
+    --scenario 1,2,3,4,5,6,7,8,9,10,11,12 \
     --speed-gib 16 --cycles 300 --fault-cycles 2000 --seed 1 --timeout 150 --work /tmp/selftest-work \
     --json-out "$out/lane.json"
   echo "selftest exit code: $?"
@@ -164,11 +169,23 @@ wake() {
     --json-out "$out/new-memory.json"
   echo "new-memory bench exit code: $?"
 
-  echo "== selftest --compare, every scenario (speed $gib GiB, stress 300 cycles, fault stress 2,000 cycles, seed 1)"
+  echo "== selftest --compare, scenarios 1-12 (speed $gib GiB, stress 300 cycles, fault stress 2,000 cycles, seed 1)"
   timeout 500 python3 -m sm12x_bundle selftest --compare "$dir/pristine" "$dir/patched" "${include[@]}" \
+    --scenario 1,2,3,4,5,6,7,8,9,10,11,12 \
     --speed-gib "$gib" --cycles 300 --fault-cycles 2000 --seed 1 --timeout 150 --work /tmp/selftest-work \
     --json-out "$out/wake.json"
   echo "selftest exit code: $?"
+}
+
+ranks() {
+  local dir=$1 out=$2
+  setup "$dir" "$out" ranks.log
+
+  echo "== selftest --compare --scenario ranks (sleep and wake across ranks, all or none)"
+  timeout 560 python3 -m sm12x_bundle selftest --compare "$dir/pristine" "$dir/patched" "${include[@]}" \
+    --scenario ranks --timeout 500 --work /tmp/selftest-work --json-out "$out/ranks.json"
+  echo "selftest exit code: $?"
+  tar -cf "$out/ranks-work.tar" -C /tmp selftest-work 2>/dev/null
 }
 
 case "${1:-}" in
@@ -178,5 +195,6 @@ case "${1:-}" in
   transactions) transactions "${2:?DIR}" "${3:?OUT}" "${4:-}" ;;
   lane) lane "${2:?DIR}" "${3:?OUT}" ;;
   wake) wake "${2:?DIR}" "${3:?OUT}" "${4:-}" ;;
-  *) echo "usage: $0 prepare DIR [VERSION] | run DIR OUT | followup DIR OUT | transactions DIR OUT [SCENARIOS] | lane DIR OUT | wake DIR OUT [GIB]" >&2; exit 2 ;;
+  ranks) ranks "${2:?DIR}" "${3:?OUT}" ;;
+  *) echo "usage: $0 prepare DIR [VERSION] | run DIR OUT | followup DIR OUT | transactions DIR OUT [SCENARIOS] | lane DIR OUT | wake DIR OUT [GIB] | ranks DIR OUT" >&2; exit 2 ;;
 esac

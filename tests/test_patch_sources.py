@@ -129,6 +129,7 @@ def test_the_shipped_fixes_keep_their_upstream_metadata_once():
     assert fixes == [
         "cumem-backup-pool",
         "cumem-error-code-reset",
+        "cumem-rank-transactions",
         "cumem-stream-aware-free",
         "cumem-wake-up-rollback",
         "triton-sparse-mla-fallback",

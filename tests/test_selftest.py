@@ -46,18 +46,18 @@ def test_selection_by_name_number_and_list_keeps_the_fixed_order():
 def test_unknown_scenario_is_refused_with_a_suggestion():
     with pytest.raises(ConfigError, match=r"unknown scenario 'stres' \(did you mean 'stress'\?\)"):
         plan.select(["stres"])
-    with pytest.raises(ConfigError, match="unknown scenario '13'"):
-        plan.select(["13"])
+    with pytest.raises(ConfigError, match="unknown scenario '14'"):
+        plan.select(["14"])
 
 
 def test_compare_runs_only_the_bug_scenarios_on_the_pristine_tree():
     pristine, patched = Target("pristine", Path("/a")), Target("patched", Path("/b"))
     got = [(t.label, s.number) for t, s in plan.runs([pristine, patched], plan.SCENARIOS)]
-    assert got == [("pristine", n) for n in (1, 2, 3, 6, 7, 8, 9, 11, 12)] + [("patched", n) for n in range(1, 13)]
+    assert got == [("pristine", n) for n in (1, 2, 3, 6, 7, 8, 9, 11, 12, 13)] + [("patched", n) for n in range(1, 14)]
     only_speed = plan.select(["speed"])
     assert [(t.label, s.name) for t, s in plan.runs([pristine, patched], only_speed)] == [("patched", "speed")]
     single = Target("tree", Path("/c"))
-    assert len(plan.runs([single], plan.SCENARIOS)) == 12
+    assert len(plan.runs([single], plan.SCENARIOS)) == 13
 
 
 # --- sizes -------------------------------------------------------------------------------------
@@ -279,7 +279,7 @@ def test_compare_end_to_end_proves_and_exits_0(fake_gpu, capsys):
     t = fake_gpu.trees
     assert main(["selftest", "-q", "--compare", str(t["pristine"]), str(t["patched"]), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["holds"] and [r["target"] for r in doc["results"]].count("pristine") == 9
+    assert doc["holds"] and [r["target"] for r in doc["results"]].count("pristine") == 10
     assert fake.builds == [t["pristine"].resolve(), t["patched"].resolve()]
     ran = [(label, scenario) for label, scenario, _ in fake.calls]
     assert ran[:2] == [("pristine", "probe"), ("patched", "probe")]
@@ -595,9 +595,9 @@ def test_a_bug_fixed_upstream_only_guards_on_that_release():
     """0.33.0's own code fixes scenario 9 (its wake_up resumes): its pristine tree passing
     it proves no patch, and is no failure; on 0.21.0 the same pristine pass is a proof
     without teeth."""
-    assert [s.number for s in plan.SCENARIOS if s.proves("0.33.0")] == [1, 2, 3, 7, 8, 11, 12]
+    assert [s.number for s in plan.SCENARIOS if s.proves("0.33.0")] == [1, 2, 3, 7, 8, 11, 12, 13]
     assert [s.number for s in plan.SCENARIOS if s.guards("0.33.0")] == [6, 9]
-    assert [s.number for s in plan.SCENARIOS if s.proves("0.21.0")] == [1, 2, 3, 7, 8, 9, 11, 12]
+    assert [s.number for s in plan.SCENARIOS if s.proves("0.21.0")] == [1, 2, 3, 7, 8, 9, 11, 12, 13]
     assert plan.BY_NAME["foreign-process"].proves("0.33.0.post1") is False  # from the release named, on
     assert plan.BY_NAME["foreign-process"].proves("0.26.0") is True
     assert plan.BY_NAME["foreign-process"].proves("not-a-version") is True
@@ -694,12 +694,12 @@ def test_help_names_exactly_the_scenarios_that_prove_a_fix(capsys):
     from sm12x_bundle.selftest import plan as selftest_plan
 
     proofs = [s.number for s in selftest_plan.SCENARIOS if s.bug]
-    assert proofs == [1, 2, 3, 7, 8, 9, 11, 12]
+    assert proofs == [1, 2, 3, 7, 8, 9, 11, 12, 13]
     with pytest.raises(SystemExit):
         main(["selftest", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert text.count("scenarios 1-3, 7-9, 11 and 12 fail on") == 1
-    assert "scenarios 1-3, 7-9, 11 and 12 and the patched tree" in text
+    assert text.count("scenarios 1-3, 7-9 and 11-13 fail on") == 1
+    assert "scenarios 1-3, 7-9 and 11-13 and the patched tree" in text
     upstream = [s for s in selftest_plan.SCENARIOS if s.upstream_from]
     assert [(s.number, s.upstream_from) for s in upstream] == [(9, "0.33.0")]
     assert "9 only guards on vLLM 0.33.0 and later" in text

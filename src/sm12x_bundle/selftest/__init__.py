@@ -40,6 +40,8 @@ scenarios (each in its own process; --scenario NAME or NUMBER, repeatable):
  10 fault-stress   10,000 cycles with failures injected at random points (--seed)
  11 first-sleep    the first sleep against the D2H ceiling; host RAM its backups take
  12 rotation       two 24 GiB engines on one GPU swapped in turn: first swap vs steady
+ 13 ranks          sleep and wake across ranks (one per GPU, or 4 on one GPU): a rank
+                   fails (host memory, another process's memory); all ranks or none
 
 examples:
   sm12x-bundle selftest --installed                 # the vLLM of this Python (bundle image)
@@ -51,7 +53,7 @@ examples:
 # The exit codes in selftest's own words (cli.py prints them under the epilog).
 EXIT_CODES = {
     "selftest": {
-        0: "every scenario passes (--compare: the pristine tree fails scenarios 1-3, 7-9, 11 and 12 and the "
+        0: "every scenario passes (--compare: the pristine tree fails scenarios 1-3, 7-9 and 11-13 and the "
         "patched tree passes every scenario; 9 only guards on vLLM 0.33.0 and later, whose wake_up resumes)",
         2: "could not run: the command line is malformed, this node lacks what the selftest needs "
         "(a GPU, the cumem allocator, CUDA or Python headers: the message names it), or an "
@@ -73,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help="a vLLM source tree (its csrc/ and vllm/)")
     which.add_argument("--installed", action="store_true", help="the vLLM installed in this Python, as it is")
     which.add_argument("--compare", nargs="*", type=arguments.existing_folder, metavar="TREE",
-                       help="PRISTINE PATCHED: show that scenarios 1-3, 7-9, 11 and 12 fail on the first and pass on the second "
+                       help="PRISTINE PATCHED: show that scenarios 1-3, 7-9 and 11-13 fail on the first and pass on the second "
                             "(no trees: the pinned tree of --lane and the same tree with its series applied)")
     p.add_argument("--lane", type=arguments.version, metavar="VERSION",
                    help="with --compare and no trees: the lane whose pin and series are compared "

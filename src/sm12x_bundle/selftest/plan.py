@@ -79,6 +79,8 @@ SCENARIOS: tuple[Scenario, ...] = (
              "the first sleep of a process against the D2H ceiling; host RAM its backups take (speed.py)"),
     Scenario(12, "rotation", "rotation", True,
              "two engines of 24 GiB on one GPU swapped in turn: the first swap against the steady ones"),
+    Scenario(13, "ranks", "ranks", True,
+             "sleep and wake across ranks (one per GPU, or 4 on one): one rank fails; all or none (ranks.py)"),
 )
 BY_NAME = {s.name: s for s in SCENARIOS}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 from .engines import first_sleep, rotation
+from .ranks import ranks
 from .frees import inflight_free, stale_error
 from .measure import driver_version, outcome, pin_memory
 from .sleeping import failing_sleep, moe_churn
@@ -59,4 +60,5 @@ RUNNERS = {
     "fault-stress": fault_stress,
     "first-sleep": first_sleep,
     "rotation": rotation,
+    "ranks": ranks,
 }
