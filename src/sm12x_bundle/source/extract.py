@@ -176,7 +176,7 @@ def _extract_to(sdist: Path, sha: str, dest: Path, progress: Progress | None) ->
                 members = check_members(tar, sdist.name)
                 task = (progress or Progress.quiet()).task(f"extracting {sdist.name}", len(members))
                 for member in members:
-                    _extract_one(tar, member, tmp)
+                    extract_member(tar, member, tmp)
                     task.advance(1)
                 task.done()
         except (tarfile.TarError, EOFError, OSError) as exc:
@@ -193,7 +193,7 @@ def _extract_to(sdist: Path, sha: str, dest: Path, progress: Progress | None) ->
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _extract_one(tar: tarfile.TarFile, member: tarfile.TarInfo, root: Path) -> None:
+def extract_member(tar: tarfile.TarFile, member: tarfile.TarInfo, root: Path) -> None:
     # The 'data' filter re-checks what check_members checked and drops modes we do
     # not want (setuid, device files) where this Python has it.
     if hasattr(tarfile, "data_filter"):
