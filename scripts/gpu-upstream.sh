@@ -3,7 +3,11 @@
 # built (docs/gpu-machine.md), then run vLLM's own allocator tests of each lane against
 # pristine and patched vLLM (scripts/upstream-tests), each test in its own process.
 #
-#   scripts/gpu-upstream.sh PAYLOAD_DIR TREES_DIR OUT [LANE...]   # LANE: 0.21.0, 0.33.0 (default: both)
+#   scripts/gpu-upstream.sh PAYLOAD_DIR TREES_DIR OUT [LANE[/SIDE]...]
+#
+# LANE: 0.21.0 or 0.33.0 (default: both); LANE/SIDE runs one side (pristine or patched) and
+# compares it with the other side's results from an earlier run on the same machine, kept in
+# $SM12X_GPU_HOME (for a call that cannot hold both sides in its time limit).
 #
 # PAYLOAD_DIR and TREES_DIR are the folders 'gpu-payload build' and 'gpu-payload trees' wrote
 # (parts and manifest.json). They are unpacked into $SM12X_GPU_HOME (default /tmp/sm12x-gpu):
@@ -14,7 +18,7 @@
 #           cumem extension rebuilt from that tree (native.py): installed:site-0.21.0-patched.
 #   0.33.0: its wheel needs torch 2.14, so its source trees run (tree:trees/0.33.0/...), each
 #           with the extension built from it alone, site/ giving the dependencies.
-# OUT receives env.txt, upstream-<lane>.json and gpu-upstream.log (everything printed).
+# OUT receives env.txt, upstream-<lane>[-<side>].json and gpu-upstream.log (everything printed).
 # Set PYTHON_INCLUDE to a folder holding Python.h where this Python has none.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -75,20 +79,36 @@ echo "== unpack"
 unpacked "$payload" "$home/site" && unpacked "$trees" "$home/trees" || exit 12
 timeout 60 python3 scripts/gpu-payload check "$home/site" || echo "(requirements above are unmet: see docs/gpu-machine.md)"
 
+targets_of() {  # targets_of LANE SIDE...: the upstream-tests arguments of each side
+  local lane=$1 side
+  shift
+  for side in "$@"; do
+    if [ "$lane" = 0.21.0 ] && [ "$side" = pristine ]; then echo "--pristine installed:$home/site"
+    elif [ "$lane" = 0.21.0 ]; then echo "--patched installed:$home/site-0.21.0-patched"
+    else echo "--$side tree:$home/trees/$lane/$side"; fi
+  done
+}
+
 status=0
-for lane in "${lanes[@]}"; do
-  echo "== vLLM $lane: upstream allocator tests"
-  if [ "$lane" = 0.21.0 ]; then
+for spec in "${lanes[@]}"; do
+  lane=${spec%%/*} sides=(pristine patched) name=$lane
+  if [ "$spec" != "$lane" ]; then sides=("${spec#*/}"); name=$lane-${spec#*/}; fi
+  echo "== vLLM $spec: upstream allocator tests"
+  if [ "$lane" = 0.21.0 ] && [[ " ${sides[*]} " == *" patched "* ]]; then
     patched_site_0_21_0 || { status=7; continue; }
-    targets=(--pristine "installed:$home/site" --patched "installed:$home/site-0.21.0-patched")
-  else
-    targets=(--pristine "tree:$home/trees/$lane/pristine" --patched "tree:$home/trees/$lane/patched")
   fi
-  timeout 540 python3 scripts/upstream-tests --lane "$lane" "${targets[@]}" --python-path "$home/site" \
-    --tests-from "$home/trees/$lane/pristine" --work "$home/work-$lane" --json "$out/upstream-$lane.json" \
-    --timeout 240 "${include[@]}"
+  earlier=()
+  if [ ${#sides[@]} -eq 1 ]; then
+    other=$([ "${sides[0]}" = pristine ] && echo patched || echo pristine)
+    [ -f "$home/upstream-$lane-$other.json" ] && earlier=(--results-from "$home/upstream-$lane-$other.json")
+  fi
+  # shellcheck disable=SC2046 # one option and its value per line
+  timeout 540 python3 scripts/upstream-tests --lane "$lane" $(targets_of "$lane" "${sides[@]}") \
+    --python-path "$home/site" --tests-from "$home/trees/$lane/pristine" --work "$home/work-$name" \
+    --json "$out/upstream-$name.json" --timeout 240 "${earlier[@]}" "${include[@]}"
   rc=$?
-  echo "== vLLM $lane: exit $rc"
+  cp "$out/upstream-$name.json" "$home/" 2>/dev/null
+  echo "== vLLM $spec: exit $rc"
   [ $rc -gt $status ] && status=$rc
 done
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import importlib.util
+import json
 import subprocess
 import sys
 import textwrap
@@ -369,3 +370,17 @@ def test_the_upstream_allocator_tests_pass_on_the_pristine_trees_here(default_co
         report = upstream.run_tests(plan, source, [target], tmp_path / f"work-{plan.lane}", progress=QUIET)
         print("\n".join(report.lines()))
         assert [o.outcome for o in report.outcomes["pristine"].values()] == [PASSED] * len(plan.cases)
+
+
+def test_one_side_run_later_is_compared_with_the_other_sides_earlier_results():
+    plan = upstream.Plan("9.9.9", "tests/t/test_cumem.py", (upstream.Case("test_a"), upstream.Case("test_b", "x")), (), ("tests", "tests/t"))
+    earlier = upstream.Report(plan, {"pristine": {"test_a": upstream.Outcome(PASSED), "test_b[x]": upstream.Outcome(PASSED)}},
+                              {"pristine": {"vllm_file": "/p/vllm/__init__.py"}})
+    now = upstream.Report(plan, {"patched": {"test_a": upstream.Outcome(PASSED), "test_b[x]": upstream.Outcome(FAILED, "boom")}})
+    assert now.verdict() == UNPROVEN
+    now.take(json.loads(json.dumps(earlier.to_dict())))
+    assert now.verdict() == BROKEN and now.broken() == ["test_b[x]"]
+    assert now.loaded["pristine"] == {"vllm_file": "/p/vllm/__init__.py"}
+    other = upstream.Report(upstream.Plan("9.9.8", plan.test_file, plan.cases, (), plan.packages))
+    with pytest.raises(BundleError, match="the earlier report ran another plan"):
+        other.take(earlier.to_dict())

@@ -400,8 +400,19 @@ class Report:
             "broken": self.broken(),
         }
 
+    def take(self, doc: Mapping, labels: Sequence[str] | None = None) -> None:
+        """Take the results of ``labels`` (None: every one this report lacks) from an earlier
+        report's to_dict() of the same plan: one side may run in one process tree, the other later."""
+        if doc.get("plan") != self.plan.to_dict():
+            raise BundleError("the earlier report ran another plan (another lane or test file): its results cannot be compared")
+        for label, cases in doc.get("results", {}).items():
+            if (labels is None and label not in self.outcomes) or (labels is not None and label in labels):
+                self.outcomes[label] = {name: Outcome(o["outcome"], o.get("detail", ""), o.get("seconds"))
+                                        for name, o in cases.items()}
+                self.loaded[label] = dict(doc.get("loaded", {}).get(label, {}))
+
     def lines(self) -> list[str]:
-        labels = list(self.outcomes)
+        labels = sorted(self.outcomes, key=lambda label: (label != "pristine", label != "patched", label))
         width = max([len(c.name) for c in self.plan.cases] + [4])
         out = [f"vLLM {self.plan.lane}: {self.plan.test_file}",
                f"  {'test':<{width}}  " + "  ".join(f"{label:<8}" for label in labels)]
