@@ -17,5 +17,11 @@ the lane's series. The folders are the layers:
   memory), ``ceilings`` (the pinned-copy ceilings), ``hostmem`` (/proc);
 * the scenarios: ``bench``, ``scenarios``, ``rotation``, ``failures``;
 * the outcome: ``targets``, ``report`` (verdict, JSON), ``table`` (text); ``runner`` ties
-  them together and ``command`` is the CLI.
+  them together and ``command`` is the CLI;
+* vLLM's own allocator tests from each lane's pinned sdist: ``upstream`` (which tests, run
+  each in its own process) and ``upstream_plugin`` (a source tree made importable under
+  pytest);
+* getting vLLM onto a GPU machine without network: ``payload`` (pinned wheels, slimmed,
+  packed and split under the carry limit; unpacking uses the standard library alone) and
+  ``trees`` (each lane's pristine and patched source tree, packed the same way).
 """

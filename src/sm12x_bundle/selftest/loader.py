@@ -74,9 +74,10 @@ def explain(exc: BaseException) -> str:
     return text
 
 
-def load(tree: Path | None, extension: Path | None) -> Loaded:
-    """Import ``tree``'s cumem.py against ``extension`` (both None: the installed vLLM)."""
-    placeholders = CompiledPlaceholders()
+def import_vllm(tree: Path | None, extension: Path | None, placeholders: CompiledPlaceholders) -> str:
+    """``import vllm``: from ``tree``, with ``extension``'s folder first on vllm.__path__ and
+    ``placeholders`` standing in for the compiled modules it lacks (tree None: the installed
+    vLLM). Return the vllm/__init__.py imported."""
     if tree is not None:
         sys.path.insert(0, str(tree))
         sys.meta_path.append(placeholders)
@@ -89,6 +90,13 @@ def load(tree: Path | None, extension: Path | None) -> Loaded:
         if not Path(vllm_file).is_relative_to(tree.resolve()):
             raise LoadError(f"import vllm found {vllm_file}, not the tree {tree}")
         vllm.__path__.insert(0, str(extension.parent))
+    return vllm_file
+
+
+def load(tree: Path | None, extension: Path | None) -> Loaded:
+    """Import ``tree``'s cumem.py against ``extension`` (both None: the installed vLLM)."""
+    placeholders = CompiledPlaceholders()
+    vllm_file = import_vllm(tree, extension, placeholders)
     # What cumem.py imports inside its guard, imported first and unguarded: a failure
     # there would only set cumem_available = False, and leave half-imported packages
     # behind that hide the cause from a second try.

@@ -189,7 +189,7 @@ def _unpack(data: bytes, name: str, tmp: Path, cache: Path, progress: Progress |
             members = check_members(tar, name)
             task = (progress or Progress.quiet()).task(f"extracting {name}", len(members))
             for member in members:
-                _extract_one(tar, member, tmp)
+                extract_member(tar, member, tmp)
                 task.advance(1)
             task.done()
     except OSError as exc:
@@ -204,7 +204,7 @@ def _unpack(data: bytes, name: str, tmp: Path, cache: Path, progress: Progress |
         raise FetchError(f"{name}: a member header declares a size too large to read") from None
 
 
-def _extract_one(tar: tarfile.TarFile, member: tarfile.TarInfo, root: Path) -> None:
+def extract_member(tar: tarfile.TarFile, member: tarfile.TarInfo, root: Path) -> None:
     # The 'data' filter re-checks what check_members checked and drops modes we do
     # not want (setuid, device files) where this Python has it.
     if hasattr(tarfile, "data_filter"):

@@ -1,4 +1,4 @@
-"""Download an sdist into the cache; its sha256 is verified on the way in and on every use."""
+"""Download an sdist (or a wheel) into the cache; its sha256 is verified on the way in and on every use."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def _entry(cache: Path, sha256: str, filename: str) -> Path:
-    return cache / "sdists" / sha256 / filename
+def _entry(cache: Path, sha256: str, filename: str, folder: str = "sdists") -> Path:
+    return cache / folder / sha256 / filename
 
 
 def cached_sdist(cache: Path, pin, progress: Progress | None = None) -> Path | None:
@@ -37,9 +37,17 @@ def cached_sdist(cache: Path, pin, progress: Progress | None = None) -> Path | N
     """
     if pin.sha256 is None:
         return None
-    path = _entry(cache, pin.sha256, pin.filename)
-    with locked(cache, pin.sha256):
-        return path if _whole_or_discarded(path, pin.sha256, progress) else None
+    return cached_file(cache, pin.sha256, pin.filename, progress=progress)
+
+
+def cached_file(
+    cache: Path, sha256: str, filename: str, *, folder: str = "sdists", progress: Progress | None = None
+) -> Path | None:
+    """``<cache>/<folder>/<sha256>/<filename>``, hashed now and found whole; else None
+    (a damaged copy is discarded, with a notice)."""
+    path = _entry(cache, sha256, filename, folder)
+    with locked(cache, sha256):
+        return path if _whole_or_discarded(path, sha256, progress) else None
 
 
 def _whole_or_discarded(path: Path, sha256: str, progress: Progress | None) -> bool:
@@ -55,10 +63,11 @@ def _whole_or_discarded(path: Path, sha256: str, progress: Progress | None) -> b
 
 
 def download(
-    url: str, sha256: str, cache: Path, filename: str, *, progress: Progress | None = None
+    url: str, sha256: str, cache: Path, filename: str, *, progress: Progress | None = None, folder: str = "sdists"
 ) -> Path:
-    """Fetch ``url`` into the cache; a hash mismatch leaves nothing behind."""
-    dest = _entry(cache, sha256, filename)
+    """Fetch ``url`` into the cache (``<cache>/<folder>/<sha256>/<filename>``); a hash
+    mismatch leaves nothing behind."""
+    dest = _entry(cache, sha256, filename, folder)
     with locked(cache, sha256):
         if _whole_or_discarded(dest, sha256, progress):  # another run fetched it while we waited
             return dest
