@@ -69,14 +69,14 @@ def test_a_target_that_needs_a_daemon_is_refused_by_the_dry_run_too(project, cap
 
 
 def test_the_bundle_image_needs_a_daemon_in_the_dry_run_too(project, capsys):
-    cwd, config = project
+    _, config = project
     config()
     err = _refused_alike(capsys, ["--image"], 8)
     assert "does not answer" in err
 
 
 def test_a_pinned_target_without_root_is_refused_when_no_daemon_answers(project, capsys):
-    cwd, config = project
+    _, config = project
     config(TARGET.replace(", root: /usr/lib/vllm", ""))
     err = _refused_alike(capsys, [], 3)
     assert err == "sm12x-bundle: error: target vllm is pinned but has no root: without Docker it must say where vLLM is\n"
@@ -98,7 +98,7 @@ class _Daemon:
 
 
 def test_an_image_the_daemon_lacks_is_refused_unless_pinned(project, capsys, monkeypatch):
-    cwd, config = project
+    _, config = project
     monkeypatch.setattr(engine_mod, "docker_engine", lambda: _Daemon(set()))
     config(TARGET.replace(", pinned: true", ""))
     assert main(["build", "-q", "--dry-run"]) == 8
@@ -131,7 +131,7 @@ def test_the_embedded_default_cut_before_pinned_is_refused_alike(tmp_path, monke
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-daemon.sock")
     lines = config_mod.default_text().splitlines(keepends=True)
-    second = [n for n, line in enumerate(lines) if line.startswith("  - name: vllm-openai-v0.33.0")][0]
+    second = next(n for n, line in enumerate(lines) if line.startswith("  - name: vllm-openai-v0.33.0"))
     (tmp_path / "cut.yaml").write_text("".join(lines[: second + 3]))  # name, image, root
     assert main(["build", "-q", "--dry-run", "--config", "cut.yaml"]) == 8
     dry = capsys.readouterr().err
