@@ -145,3 +145,70 @@ def test_apply_is_atomic_and_reproducible(tmp_path):
     assert not (tmp_path / "fresh").exists()
     # The pristine tree is never written.
     assert (src.root / "a.py").read_text() == BODY
+
+
+# --- a file where a folder must be, a folder where a file must be (issue 21) ---------------
+
+
+@pytest.mark.parametrize(
+    "files, changes, path, found",
+    [
+        ({"vllm/a.py": "x\n"}, {"vllm/a.py/b.py": (None, "y\n")}, "vllm/a.py/b.py", "<vllm/a.py is a regular file>"),
+        ({"vllm/a.py": "x\n"}, {"vllm": (None, "y\n")}, "vllm", "<vllm is a folder>"),
+        # the series' own files: one patch adds a file, the next puts a file under it
+        ({"vllm/a.py": "x\n"}, {"vllm/n.py": (None, "y\n"), "vllm/n.py/m.py": (None, "z\n")}, "vllm/n.py/m.py",
+         "<vllm/n.py is a regular file>"),
+        ({"vllm/a.py": "x\n"}, {"vllm/n/m.py": (None, "z\n"), "vllm/n": (None, "y\n")}, "vllm/n", "<vllm/n is a folder>"),
+        ({"vllm/a.py": "x\n"}, {"vllm/a.py/b.py": ("y\n", "z\n")}, "vllm/a.py/b.py", "<vllm/a.py is a regular file>"),
+    ],
+    ids=["file-under-a-file", "file-over-a-folder", "under-an-added-file", "over-an-added-folder", "change-under-a-file"],
+)
+def test_a_file_where_a_folder_must_be_is_a_conflict_in_check_and_apply(tmp_path, files, changes, path, found):
+    """It 'applied' in check and then failed in apply with exit 2, as a bug (FileExistsError)."""
+    src = tree_with(tmp_path, files)
+    patches = {f"{n:04d}-p{n}.patch": make_patch({p: c}) for n, (p, c) in enumerate(changes.items(), 1)}
+    series = load_series(write_series(tmp_path / "patches", patches))
+    report = check_tree(series, src)
+    [conflict] = [r for r in report.results if r.outcome is Outcome.CONFLICT]
+    assert (conflict.conflict.path, conflict.conflict.differs[-1]) == (path, "+" + found)
+    assert exit_code([report]) == 20
+    with pytest.raises(ApplyError, match="does not apply") as exc:
+        write_tree(series, src, tmp_path / "out")
+    assert exc.value.exit_code == 6 and found in str(exc.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["patches", "tree"]  # nothing written, nothing left
+
+
+def test_a_file_the_series_deleted_may_become_a_folder(tmp_path):
+    src = tree_with(tmp_path, {"vllm/a.py": "x\n"})
+    series = load_series(write_series(tmp_path / "patches", {
+        "0001-gone.patch": make_patch({"vllm/a.py": ("x\n", None)}),
+        "0002-folder.patch": make_patch({"vllm/a.py/b.py": (None, "y\n")}),
+    }))
+    assert [r.outcome for r in check_tree(series, src).results] == [Outcome.APPLIES, Outcome.APPLIES]
+    write_tree(series, src, tmp_path / "out")
+    assert (tmp_path / "out" / "vllm" / "a.py" / "b.py").read_text() == "y\n"
+
+
+def test_a_fifo_in_the_tree_where_a_patch_writes_is_a_conflict(tmp_path):
+    src = tree_with(tmp_path, {"vllm/a.py": "x\n"})
+    os.mkfifo(src.root / "vllm" / "pipe")
+    vt = VirtualTree(src.root)
+    with pytest.raises(HunkFailure) as exc:
+        apply_file_patch(vt, one(make_patch({"vllm/pipe": (None, "y\n")})))
+    assert exc.value.found == ["<vllm/pipe is a FIFO (named pipe)>"]
+
+
+def test_an_overlay_refuses_a_file_under_an_image_file(tmp_path):
+    """The overlay path patches an image's own copies the same way: a conflict naming the image."""
+    from sm12x_bundle.engine import ImageFile
+    from sm12x_bundle.plan.files import patch_image_files
+
+    series = load_series(write_series(tmp_path, {
+        "0001-a.patch": make_patch({"vllm/a.py": ("x\n", "y\n"), "vllm/a.py/b.py": (None, "z\n")}),
+    }))
+    originals = {"vllm/a.py": ImageFile(b"x\n", 0o644), "vllm/a.py/b.py": None}
+    with pytest.raises(ApplyError) as exc:
+        patch_image_files(series, originals, "image vllm/vllm-openai:v0.21.0", lambda p: "/usr/lib/" + p)
+    assert exc.value.exit_code == 6
+    assert str(exc.value).startswith("image vllm/vllm-openai:v0.21.0: patch a does not apply to /usr/lib/vllm/a.py/b.py")
+    assert "+<vllm/a.py is a regular file>" in str(exc.value)

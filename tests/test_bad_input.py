@@ -11,6 +11,8 @@ also run as real ``python3 -m sm12x_bundle`` processes.
 from __future__ import annotations
 
 import os
+import resource
+import socket
 import subprocess
 import sys
 import tempfile
@@ -181,6 +183,9 @@ ROWS = [
     ("lanes-duplicate", DRY, cfg("lanes[1].version", PIN, LANES.replace('"0.33.0"', '"0.21.0"'), '- version: "0.21.0"'), 3, "lane versions must be unique"),
     ("lane-sha256-short", DRY, cfg("lanes[1].sha256", PIN, LANES.replace("sha256: f4c3", "sha256: 0f4c3"), "sha256: 0f4c3" + LANES.split("sha256: f4c3")[1].split("\n")[0]), 3, "must be 64 lowercase hex digits"),
     ("lane-series-absent", DRY, cfg("lanes[1].series", PIN, LANES + "    series: absent/series\n", "series: absent/series"), 3, "does not exist"),
+    ("lane-series-is-a-device", DRY, cfg("lanes[1].series", PIN, LANES + "    series: /dev/zero\n", "series: /dev/zero"), 3, "the series file '/dev/zero' is a character device, not a regular file"),
+    ("series-is-a-device", ["series"], cfg("series", "check:\n", "series: /dev/null\ncheck:\n", "series: /dev/null"), 3, "the series file '/dev/null' is a character device, not a regular file"),
+    ("series-is-a-folder", DRY, cfg("series", "check:\n", "series: .\ncheck:\n", "series: ."), 3, "is a folder, not a regular file"),
     ("lane-without-shipped-series", DRY, cfg("lanes[1].version", PIN, LANES.replace('"0.33.0"', '"0.26.0"'), '- version: "0.26.0"'), 3, "no series is shipped for vLLM 0.26.0"),
     ("check-version-below-every-lane", ["check"], cfg("check.versions[0]", "versions: []", 'versions: ["0.20.0"]'), 3, "0.20.0 is below every lane (0.21.0)"),
     # --- command-line values: argparse's exit 2, before the config is even read
@@ -223,8 +228,87 @@ ROWS = [
     ("check-lane-unknown", ["check", "--lane", "0.33.0"], None, 2, "--lane 0.33.0: the configuration has no such lane (its lanes: 0.21.0)"),
     ("apply-lane-unknown", ["apply", "--lane", "0.33.0", "--out", "tree"], None, 2, "--lane 0.33.0: the configuration has no such lane"),
     ("config-missing", ["series", "--config", "absent.yaml"], None, 3, "cannot read config absent.yaml"),
-    ("config-is-a-folder", ["series", "--config", "."], None, 3, "cannot read config .: Is a directory"),
+    ("config-is-a-folder", ["series", "--config", "."], None, 3, "cannot read config .: it is a folder, not a regular file"),
+    ("config-is-a-device", ["series", "--config", "/dev/null"], None, 3, "cannot read config /dev/null: it is a character device, not a regular file"),
 ]
+
+
+# --- the config file itself: what it holds, how big it is, what it is --------------------
+
+# Seven lines, each a list naming the line before it nine times: 9**7 = 4.8 million values.
+BOMB = "a0: &a0 [" + ", ".join(['"lol"'] * 9) + "]\n" + "".join(
+    f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]\n" for i in range(1, 7)
+)
+# (id, what cfg.yaml holds, the sentence's start after "sm12x-bundle: error: ")
+FILES = [
+    ("alias-bomb", BOMB.encode(), f"{CONFIG}:1: anchors and aliases are not allowed in a config (found &a0): "
+     "write each value where it is used"),
+    ("an-alias", BASE.replace('    env:\n      HF_HUB_OFFLINE: "1"\n', "    env: *env\n").encode(),
+     f"{CONFIG}:33: anchors and aliases are not allowed in a config (found *env)"),
+    ("nested-50000-deep", b"[" * 50000 + b"]" * 50000 + b"\n", f"{CONFIG}:1: nested more than 32 levels deep: refused"),
+    ("not-utf8", BASE.replace("DeepSeek", "Deep\xe9Seek").encode("latin-1"),
+     f"{CONFIG} is not UTF-8 text (line 22, byte "),
+    ("empty", b"", f"{CONFIG}:1: the file holds no settings (it is empty, only comments, or {{}})"),
+    ("only-comments", b"# one day\n\n# maybe\n", f"{CONFIG}:1: the file holds no settings"),
+    ("empty-mapping", b"{}\n", f"{CONFIG}:1: the file holds no settings"),
+    ("null-document", b"---\n~\n", f"{CONFIG}:1: the file holds no settings"),
+    ("over-1-mib", BASE.encode() + b"# padding\n" * 110_000, f"config {CONFIG} is larger than 1 MiB: refused"),
+]
+
+
+@pytest.mark.parametrize("name, data, start", FILES, ids=[r[0] for r in FILES])
+def test_a_config_file_that_cannot_be_a_config_is_one_sentence(workdir, name, data, start):
+    """As a real process, with a time and memory bound: the bomb took 31 s and 916 MB
+    before it was refused, 50,000 levels overflowed the stack (exit 2, a bug)."""
+    cwd, cache = workdir
+    (cwd / CONFIG).write_bytes(data)
+    before = snapshot(cwd, cache)
+    proc = run_bounded(["series", "-q", "--config", CONFIG])
+    assert (proc.returncode, proc.stderr[: len("sm12x-bundle: error: " + start)]) == (3, "sm12x-bundle: error: " + start)
+    assert len(proc.stderr.splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert snapshot(cwd, cache) == before
+
+
+def run_bounded(argv: list[str], timeout: float = 20) -> subprocess.CompletedProcess:
+    """``python3 -m sm12x_bundle ARGV`` with at most 2 GiB of address space and ``timeout``
+    seconds (a config that hangs fails the test instead of hanging it)."""
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    return subprocess.run([sys.executable, "-m", "sm12x_bundle", *argv], capture_output=True, text=True,
+                          timeout=timeout, preexec_fn=limit)
+
+
+def _fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+def _socket(path: Path) -> None:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(path))
+
+
+@pytest.mark.parametrize("make, what", [(_fifo, "a FIFO (named pipe)"), (_socket, "a socket"), (Path.mkdir, "a folder")],
+                         ids=["fifo", "socket", "folder"])
+def test_a_config_or_series_that_is_not_a_regular_file_is_named_and_never_read(workdir, make, what):
+    """Looked at before it is opened: a FIFO with no writer would block the read forever."""
+    cwd, cache = workdir
+    make(cwd / "odd")
+    before = snapshot(cwd, cache)
+    proc = run_bounded(["series", "-q", "--config", "odd"])
+    assert (proc.returncode, proc.stderr) == (3, f"sm12x-bundle: error: cannot read config odd: it is {what}, not a regular file\n")
+    (cwd / CONFIG).write_text(BASE.replace("check:\n", "series: odd\ncheck:\n"))
+    proc = run_bounded(["series", "-q", "--config", CONFIG])
+    line = BASE.replace("check:\n", "series: odd\ncheck:\n").splitlines().index("series: odd") + 1
+    assert (proc.returncode, proc.stderr) == (
+        3, f"sm12x-bundle: error: {CONFIG}:{line}: series: the series file '{cwd / 'odd'}' is {what}, not a regular file\n")
+    assert snapshot(cwd, cache) == {**before, str(cwd / CONFIG): snapshot(cwd)[str(cwd / CONFIG)]}
+
+
+def test_dev_zero_as_the_config_ends_at_once(workdir):
+    proc = run_bounded(["series", "-q", "--config", "/dev/zero"], timeout=10)
+    assert (proc.returncode, proc.stderr) == (
+        3, "sm12x-bundle: error: cannot read config /dev/zero: it is a character device, not a regular file\n")
 
 
 def snapshot(*folders: Path) -> dict[str, tuple[int, int]]:

@@ -127,3 +127,70 @@ def test_versions_are_release_numbers(value, problem):
 ])
 def test_image_references(ref, ok):
     assert (config_mod.image_problem(ref) is None) is ok
+
+
+# --- what a config file may hold (issue 21) -------------------------------------------
+
+
+def _bomb(levels: int) -> str:
+    """``levels`` lines, each a list naming the line before it nine times: 9**levels values."""
+    lines = ["a0: &a0 [" + ", ".join(['"lol"'] * 9) + "]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+def test_an_alias_bomb_is_refused_before_anything_expands():
+    # Four levels (6,561 values) here, so that without the bound this fails instead of
+    # eating the machine; seven levels, as a real process, are in test_bad_input.py.
+    with pytest.raises(ConfigError) as exc:
+        parse(_bomb(4))
+    assert str(exc.value) == ("cfg.yaml:1: anchors and aliases are not allowed in a config (found &a0): "
+                              "write each value where it is used")
+
+
+def test_an_alias_is_refused_on_its_own_line():
+    with pytest.raises(ConfigError, match=r"^cfg.yaml:3: anchors and aliases are not allowed in a config \(found \*x\)"):
+        parse("check:\n  fuzz: 0\noutput: *x\n")
+
+
+@pytest.mark.parametrize("text", ["[" * 50_000 + "]" * 50_000, "a:\n" + "".join(" " * n + f"k{n}:\n" for n in range(1, 40))],
+                         ids=["50000-lists", "40-mappings"])
+def test_deep_nesting_is_refused_not_a_stack_overflow(text):
+    with pytest.raises(ConfigError, match=r"^cfg.yaml:\d+: nested more than 32 levels deep: refused$"):
+        parse(text)
+
+
+def test_the_depth_bound_leaves_room():
+    # 31 nested mappings under output: refused as an unknown key, not for its depth.
+    text = "output:\n" + "".join("  " * n + f"k{n}:\n" for n in range(1, 31)) + "  " * 31 + "leaf: 1\n"
+    with pytest.raises(ConfigError, match="unknown key 'output.k1'"):
+        parse(text)
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "# only a comment\n", "{}\n", "---\n", "~\n", "null\n"])
+def test_a_file_without_settings_is_refused(text):
+    """An operator who passes a file means something by it: an empty one is not the default."""
+    with pytest.raises(ConfigError) as exc:
+        parse(text)
+    assert str(exc.value).startswith("cfg.yaml:1: the file holds no settings (it is empty, only comments, or {}): ")
+
+
+def test_a_local_config_without_settings_is_refused_too(tmp_path):
+    (tmp_path / "sm12x-bundle.yaml").write_text("# to do\n")
+    with pytest.raises(ConfigError, match="sm12x-bundle.yaml:1: the file holds no settings"):
+        config_mod.load(cwd=tmp_path)
+
+
+def test_a_config_is_read_up_to_its_bound_only(tmp_path, monkeypatch):
+    monkeypatch.setattr(config_mod, "MAX_BYTES", 64)
+    (tmp_path / "c.yaml").write_text("check:\n  fuzz: 0\n" + "#" * 64 + "\n")
+    with pytest.raises(ConfigError, match=r"^config .*c.yaml is larger than 64 bytes: refused$"):
+        config_mod.load(tmp_path / "c.yaml")
+    (tmp_path / "c.yaml").write_text("check:\n  fuzz: 0\n")
+    assert config_mod.load(tmp_path / "c.yaml").check.fuzz == 0
+
+
+def test_a_config_that_is_not_utf8_names_the_file_and_line(tmp_path):
+    (tmp_path / "c.yaml").write_bytes(b"check:\n  fuzz: 0\n# caf\xe9\n")
+    with pytest.raises(ConfigError, match=r"c.yaml is not UTF-8 text \(line 3, byte 22: 0xe9\)$"):
+        config_mod.load(tmp_path / "c.yaml")

@@ -274,6 +274,63 @@ def test_build_plans_and_guards_one_tree_per_lane(lanes, capsys):
     assert not (lanes / "build" / "vllm-0.21.0-sm12x").exists()
 
 
+# --- a fix partly landed upstream: its probes disagree -------------------------------
+
+PROBES = "vllm/b.py::fixed ~ upstream's fix\nvllm/b.py::sleep ~ synchronize"
+PARTLY = "partly landed upstream: vllm/b.py::fixed; not landed: vllm/b.py::sleep"
+
+
+def test_a_conflict_whose_fix_partly_landed_says_which_part(lanes, capsys, tmp_path):
+    """0.33.0's b.py has fixed() (one probe matches) but no sleep() (the other does not);
+    the patch's context moved, so it conflicts: the row says both, the exit stays 20."""
+    write_series(lanes / "patches" / "0.21.0", {"0001-partial.patch": _edit("line 4\n", "four\n", Sm12x_Probe=PROBES)})
+    write_series(lanes / "patches" / "0.33.0", {})
+    assert main(["check", "-q", "--lane", "0.21.0", "--vllm", "0.33.0", "--json", "--junit", str(tmp_path / "r.xml")]) == 20
+    [entry] = json.loads(capsys.readouterr().out)
+    [patch] = entry["patches"]
+    assert (patch["outcome"], patch["landed_by"], patch["partly_landed"]) == (
+        "conflict", None, {"landed": ["vllm/b.py::fixed"], "not_landed": ["vllm/b.py::sleep"]})
+    assert patch["probes"] == [{"probe": "vllm/b.py::fixed", "matches": True},
+                               {"probe": "vllm/b.py::sleep", "matches": False}]
+    [failure] = ET.parse(tmp_path / "r.xml").getroot().findall("testsuite/testcase/failure")
+    assert failure.get("message") == "conflict: vllm/a.py hunk #1 (line 1); " + PARTLY
+    assert main(["check", "-q", "--lane", "0.21.0", "--vllm", "0.33.0"]) == 20
+    row = capsys.readouterr().out.splitlines()[2]
+    assert row.split(None, 3)[3] == "conflict: vllm/a.py hunk #1 (line 1); " + PARTLY
+
+
+def test_a_fix_not_carried_and_partly_landed_says_which_part(lanes, capsys, tmp_path):
+    write_series(lanes / "patches" / "0.21.0", {"0001-partial.patch": _edit("line 4\n", "four\n", Sm12x_Probe=PROBES)})
+    write_series(lanes / "patches" / "0.33.0", {})
+    assert main(["check", "-q", "--lane", "0.33.0", "--junit", str(tmp_path / "r.xml")]) == 20
+    row = capsys.readouterr().out.splitlines()[2].split(None, 3)
+    assert row == ["0.33.0", "0.33.0", "partial",
+                   "not carried, and not wholly landed upstream: this lane lacks the fix; " + PARTLY]
+    [failure] = ET.parse(tmp_path / "r.xml").getroot().findall("testsuite/testcase/failure")
+    assert failure.get("message").endswith(PARTLY)
+
+
+def test_a_patch_that_applies_where_its_fix_partly_landed_says_so_and_passes(lanes, capsys, tmp_path):
+    """The lane carries the part that did not land (as 0.33.0 carries sleep()'s synchronize)."""
+    body = BODY.replace("line 3\n", "three\n")
+    write_series(lanes / "patches" / "0.33.0", {
+        "0001-partial.patch": make_patch({"vllm/a.py": (body, body.replace("line 30\n", "thirty\n"))}, Sm12x_Probe=PROBES),
+    })
+    write_series(lanes / "patches" / "0.21.0", {})
+    assert main(["check", "-q", "--lane", "0.33.0", "--json", "--junit", str(tmp_path / "r.xml")]) == 0
+    [entry] = json.loads(capsys.readouterr().out)
+    assert [(p["outcome"], p["partly_landed"]) for p in entry["patches"]] == [
+        ("applies", {"landed": ["vllm/b.py::fixed"], "not_landed": ["vllm/b.py::sleep"]})]
+    [case] = ET.parse(tmp_path / "r.xml").getroot().findall("testsuite/testcase")
+    assert (case.find("failure"), case.findtext("system-out")) == (None, "applies; " + PARTLY)
+
+
+def test_probes_that_agree_add_nothing(lanes, capsys):
+    assert main(["check", "-q", "--json"]) == 20
+    for entry in json.loads(capsys.readouterr().out):
+        assert all(p["partly_landed"] is None for p in entry["patches"])
+
+
 # --- the shipped lanes on the real sdists (cached) ------------------------------
 
 
@@ -288,3 +345,21 @@ def test_check_on_the_embedded_default_reports_both_lanes(tmp_path, monkeypatch,
     ]
     dropped = {p["patch"]: p["landed_by"] for p in entries[1]["patches"] if not p["carried"]}
     assert dropped == {}  # 0.33.0 carries every fix: the free callback synchronizes, sleep() did not
+
+
+@pytest.mark.integration
+def test_026_synchronizes_the_free_callback_but_not_sleep(tmp_path, monkeypatch, capsys):
+    """vLLM 0.26.0 added the synchronize to the free callback only: the stream-aware free
+    conflicts there, and the row says which half landed (it said only "conflict")."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", "-q", "--vllm", "0.26.0", "--json"]) == 20
+    [entry] = json.loads(capsys.readouterr().out)
+    free = next(p for p in entry["patches"] if p["patch"] == "cumem-stream-aware-free")
+    assert (entry["lane"], free["outcome"], free["partly_landed"]) == ("0.21.0", "conflict", {
+        "landed": ["vllm/device_allocator/cumem.py::CuMemAllocator._python_free_callback"],
+        "not_landed": ["vllm/device_allocator/cumem.py::CuMemAllocator.sleep"],
+    })
+    assert main(["check", "-q", "--vllm", "0.26.0"]) == 20
+    row = next(line for line in capsys.readouterr().out.splitlines() if "cumem-stream-aware-free" in line)
+    assert row.endswith("; partly landed upstream: vllm/device_allocator/cumem.py::CuMemAllocator._python_free_callback; "
+                        "not landed: vllm/device_allocator/cumem.py::CuMemAllocator.sleep")

@@ -652,8 +652,11 @@ def test_a_target_naming_a_release_without_a_lane_is_refused_at_load(two_lanes, 
 
 
 def test_build_dry_run_names_each_targets_lane(two_lanes, tmp_path, capsys):
-    two_lanes("  - {name: new, image: 'img:33', root: /r/vllm, pinned: true, vllm: '0.33.0'}\n"
-              "  - {name: any, image: 'img:x'}\n")
+    engine = two_lanes("  - {name: new, image: 'img:33', root: /r/vllm, pinned: true, vllm: '0.33.0'}\n"
+                       "  - {name: any, image: 'img:x'}\n")
+    assert main(["build", "-q", "--dry-run"]) == 8  # as build would: img:x is not in the daemon
+    assert capsys.readouterr().err == "sm12x-bundle: error: image img:x not found in the daemon\n"
+    engine.images["img:x"] = image_with(python_root=ROOT)
     assert main(["build", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "overlays/new/  lane 0.33.0: image img:33 (its vLLM must be 0.33.0); no daemon: the pinned 0.33.0 tree" in out

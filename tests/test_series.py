@@ -1,3 +1,8 @@
+import os
+import resource
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -80,3 +85,95 @@ def test_empty_or_missing_series(tmp_path):
     assert load_series(tmp_path / "series").patches == ()
     with pytest.raises(SeriesError, match="cannot read"):
         load_series(tmp_path / "absent")
+
+
+# --- what a patch may create, and what a series may name (issue 21) ---------------------
+
+
+@pytest.mark.parametrize("mode, words", [("120000", "a symbolic link"), ("160000", "a submodule (gitlink)"),
+                                         ("100600", "not a regular file's mode"), ("040000", "a folder")])
+def test_a_patch_may_create_only_regular_files(tmp_path, mode, words):
+    """A symlink's 120000 was accepted ("applies") and written as a regular file of mode 0000."""
+    text = make_patch({"vllm/link.py": (None, "../../etc/passwd\n")}).replace("new file mode 100644", f"new file mode {mode}")
+    line = text.splitlines().index(f"new file mode {mode}") + 1
+    series = write_series(tmp_path, {"0001-link.patch": text})
+    with pytest.raises(SeriesError) as exc:
+        load_series(series)
+    assert str(exc.value) == (f"{tmp_path / '0001-link.patch'}:{line}: mode {mode} ({words}) is refused: a patch may "
+                              "only add or change regular files (100644, 100755)")
+
+
+@pytest.mark.parametrize("line", ["deleted file mode 120000", "index 1234567..89abcde 120000", "old mode 120000"])
+def test_a_patch_may_not_touch_a_symlink_either(line):
+    text = make_patch({"a.py": ("x\n", "y\n")}).replace("--- a/a.py", f"{line}\n--- a/a.py")
+    with pytest.raises(SeriesError, match=r"p.patch:\d+: mode 120000 \(a symbolic link\) is refused"):
+        parse_patch(text, Path("p.patch"))
+
+
+def test_a_mode_change_is_refused_not_ignored():
+    text = make_patch({"a.py": ("x\n", "y\n")}).replace("--- a/a.py", "old mode 100644\nnew mode 100755\n--- a/a.py")
+    with pytest.raises(SeriesError, match=r"p.patch:\d+: mode changes \(old mode/new mode\) are not supported"):
+        parse_patch(text, Path("p.patch"))
+
+
+def test_regular_modes_are_kept():
+    text = make_patch({"run.sh": (None, "echo\n")}).replace("new file mode 100644", "new file mode 100755")
+    assert parse_patch(text, Path("p.patch")).files[0].mode == 0o100755
+
+
+def _fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+def _refusal(series: Path, odd: Path) -> str:
+    """load_series's SeriesError, from a thread: one still reading ``odd`` after 10 s (a FIFO
+    nobody writes) is let go by opening the FIFO's other end, and the test fails."""
+    got: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            load_series(series)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            got.append(exc)
+
+    reader = threading.Thread(target=load, daemon=True)
+    reader.start()
+    reader.join(10)
+    if reader.is_alive():
+        os.close(os.open(odd, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(10)
+        pytest.fail(f"load_series({series}) blocked reading {odd}")
+    assert got and isinstance(got[0], SeriesError), got
+    return str(got[0])
+
+
+@pytest.mark.parametrize("make, what", [(_fifo, "a FIFO (named pipe)"), (Path.mkdir, "a folder")], ids=["fifo", "folder"])
+def test_a_series_or_patch_that_is_not_a_regular_file_is_named_not_read(tmp_path, make, what):
+    """Never opened for reading: a FIFO without a writer would block forever."""
+    odd = tmp_path / "odd"
+    make(odd)
+    assert _refusal(odd, odd) == f"cannot read series {odd}: it is {what}, not a regular file"
+    (tmp_path / "series").write_text("# first\nodd\n")
+    assert _refusal(tmp_path / "series", odd) == (
+        f"{tmp_path / 'series'}:2: cannot read patch {odd}: it is {what}, not a regular file")
+
+
+def test_a_device_as_the_series_is_named():
+    """In a child process with 1 GiB of address space: reading /dev/zero never ends."""
+    program = ("import sys; from pathlib import Path; from sm12x_bundle.series.patch import load_series\n"
+               "try:\n    load_series(Path('/dev/zero'))\nexcept Exception as exc:\n    sys.exit(str(exc))\n")
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60, preexec_fn=limit)
+    assert proc.stderr == "cannot read series /dev/zero: it is a character device, not a regular file\n"
+
+
+def test_a_series_is_read_up_to_its_bound_only(tmp_path, monkeypatch):
+    from sm12x_bundle.series import patch as patch_mod
+
+    monkeypatch.setattr(patch_mod, "MAX_PATCH_BYTES", 100)
+    series = write_series(tmp_path, {"0001-a.patch": make_patch({"a.py": ("x\n", "y\n")})})
+    with pytest.raises(SeriesError, match=r"series:1: patch .*0001-a.patch is larger than 100 bytes: refused$"):
+        load_series(series)

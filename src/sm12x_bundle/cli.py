@@ -225,7 +225,8 @@ def _commands() -> dict[str, tuple[str, str, Callable[[argparse.ArgumentParser],
             "against the lane nearest at or below it. A fix the shipped layout knows (another lane's\n"
             "patch, or patches/fixes/<fix>/upstream) that a lane does not carry gets a row: 'not\n"
             "carried: landed upstream (probe|reverse-apply)', or 'not carried, and not landed\n"
-            "upstream' (exit 20).\n\n"
+            "upstream' (exit 20). Where a fix's probes disagree, a row adds 'partly landed upstream:\n"
+            "PATH::QUALNAME; not landed: PATH::QUALNAME' (the exit code stays the patch's own).\n\n"
             "example: sm12x-bundle check\n"
             "         sm12x-bundle check --vllm 0.26.0 --junit check.xml   # with lane 0.21.0\n"
             "         sm12x-bundle check --lane 0.33.0 --vllm 0.26.0",

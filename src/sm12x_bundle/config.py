@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import posixpath
 import re
 import types
@@ -23,6 +24,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from . import inputs
 from .errors import ConfigError
 
 LOCAL_CONFIG = "sm12x-bundle.yaml"
@@ -234,17 +236,59 @@ class _Node:
         self.lines = lines or {}
 
 
+# A config is a few KiB and nests 4 levels (jobs: [{env: {...}}]); these bounds are far above
+# that and far below what could exhaust the machine.
+MAX_BYTES = inputs.MIB
+MAX_DEPTH = 32
+
+
 def _compose(text: str, origin: str) -> _Node:
+    loader = _BoundedLoader(text, origin)
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = loader.get_single_node()
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{origin}:{mark.line + 1}" if mark else origin
         problem = getattr(exc, "problem", None) or str(exc)
         raise ConfigError(f"{where}: not valid YAML: {problem}") from None
-    if root is None:
-        return _Node({}, 1)
+    finally:
+        loader.dispose()
+    if root is None or root.tag.endswith(":null") or isinstance(root, yaml.MappingNode) and not root.value:
+        raise ConfigError(
+            f"{origin}:1: the file holds no settings (it is empty, only comments, or {{}}): a config file "
+            "replaces the embedded default whole; write the settings, or leave the file out to use the default"
+        )
     return _plain(root, origin)
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """SafeLoader's composer, refusing before each node is built what could make a few lines
+    cost gigabytes or overflow the stack: anchors and aliases (seven lines, each a list that
+    names the line before it nine times, expand to 4.8 million values), and nesting beyond
+    MAX_DEPTH (the composer recurses once per level)."""
+
+    def __init__(self, text: str, origin: str):
+        super().__init__(text)
+        self.origin = origin
+        self.depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        event = self.peek_event()
+        line = event.start_mark.line + 1
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            sign = "*" if isinstance(event, yaml.AliasEvent) else "&"
+            raise ConfigError(
+                f"{self.origin}:{line}: anchors and aliases are not allowed in a config "
+                f"(found {sign}{event.anchor}): write each value where it is used"
+            )
+        nests = isinstance(event, yaml.CollectionStartEvent)  # a mapping or a list: one level more
+        if nests and self.depth == MAX_DEPTH:
+            raise ConfigError(f"{self.origin}:{line}: nested more than {MAX_DEPTH} levels deep: refused")
+        self.depth += nests
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= nests
 
 
 _SAFE_TAGS = {f"tag:yaml.org,2002:{t}" for t in ("map", "seq", "str", "int", "float", "bool", "null")}
@@ -325,11 +369,16 @@ def _convert(tp: Any, node: _Node, where: str, origin: str, lines: dict[str, int
     return value
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)  # slow; a list of 1,000 jobs would ask it 1,000 times
+
+
 def _build(cls: type, node: _Node, where: str, origin: str, lines: dict[str, int]) -> Any:
     if not isinstance(node.value, dict):
         raise ConfigError(f"{origin}:{node.line}: {where or 'the document'} must be a mapping")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in ("origin", "base_dir")}
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     kwargs = {}
     for key, value in node.value.items():
         name = f"{where}.{key}" if where else key
@@ -352,7 +401,7 @@ def _build(cls: type, node: _Node, where: str, origin: str, lines: dict[str, int
 
 def parse(text: str, origin: str, base_dir: Path) -> Config:
     """Parse one YAML document into a Config and check every value (file access: only
-    whether each lane's series file exists)."""
+    whether each lane's series file is a regular file)."""
     lines: dict[str, int] = {}
     config = _build(Config, _compose(text, origin), "", origin, lines)
     config = dataclasses.replace(config, origin=origin, base_dir=str(base_dir))
@@ -535,8 +584,9 @@ def _check_series_file(config: Config, lane: LaneConfig, key: str, at: _Where) -
         shipped = ", ".join(shipped_lanes()) or "none"
         where = "series" if key.startswith("pin") else key.replace("version", "series")
         at.fail(key, f"no series is shipped for vLLM {lane.version} (shipped lanes: {shipped}); give {where!r}")
-    if not path.is_file():
-        at.fail(key, f"the series file {str(path)!r} does not exist")
+    problem = inputs.file_problem(path)
+    if problem:
+        at.fail(key, f"the series file {str(path)!r} {problem}")
 
 
 def _check_pin(pin: PinConfig, at: _Where) -> None:
@@ -757,8 +807,5 @@ def load(path: Path | None = None, cwd: Path | None = None) -> Config:
         path = cwd / LOCAL_CONFIG
     if path is None:
         return parse(default_text(), "<embedded default>", cwd)
-    try:
-        text = path.read_text("utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
-    return parse(text, str(path), path.resolve().parent)
+    data = inputs.read_bounded(path, MAX_BYTES, ConfigError, "config")
+    return parse(inputs.decode_utf8(data, ConfigError, path), str(path), path.resolve().parent)

@@ -2,8 +2,10 @@
 
 each lane's pin -> check each lane's series -> one patched tree per lane -> overlays (verified in the target images when
 a Docker daemon answers) -> Nomad specs (when the config has jobs) -> bundle image (when
-asked). The plan is a list of steps computed from the config alone, so ``--dry-run``
-shows what would be built and where, without fetching or touching anything.
+asked). The plan is a list of steps computed from the config alone; ``preflight`` refuses,
+before the first step, what a later step would refuse about this machine (output folders,
+a Docker daemon), and ``--dry-run`` runs the same checks, then shows what would be built
+and where, without fetching or writing anything.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from . import fsutil
 from .outputs import native_build
 from .checks.check import Outcome, VersionReport, check_tree
 from .context import Context
-from .errors import ApplyError
+from .errors import ApplyError, EngineError
+from .progress import Progress
 from .series.lane import Lane
 from .source.pin import SourceTree
 
@@ -153,16 +156,50 @@ def check_outputs(ctx: Context, steps: list[Step], force: bool = False) -> Path:
     return out
 
 
+def check_daemon(ctx: Context, steps: list[Step]) -> None:
+    """Refuse, as the step itself would and in its words, a build whose overlays or image
+    need a Docker daemon that does not answer or an image it does not hold (EngineError),
+    and a pinned target without root whose pinned tree must stand in (ConfigError)."""
+    from .plan.originals import connect, pinned_root
+
+    names = {s.name for s in steps}
+    targets = ctx.config.targets if "overlays" in names else ()
+    if "image" not in names and all(t.pinned and t.root for t in targets):
+        return  # no daemon needed, and every pinned tree can stand in: nothing to ask
+    engine = connect("image" in names or any(not t.pinned for t in targets), Progress.quiet())
+    for t in targets:
+        if engine is not None:
+            try:
+                engine.image_id(t.image)
+                continue
+            except EngineError:
+                if not t.pinned:
+                    raise
+        pinned_root(t)
+
+
+def preflight(ctx: Context, steps: list[Step], force: bool = False) -> Path:
+    """Everything ``build`` checks before its first step, which ``--dry-run`` runs too, so a
+    dry run that passes is not refused by build for any of it: every lane's series parsed
+    (``plan`` read them: exit 5), the output folders (exit 11) and the Docker daemon and
+    images the steps need (exit 8). Returns output.dir. Not checked here: the pins' fetch
+    and the series applying to them (the pin and check steps, before anything is written)."""
+    out = check_outputs(ctx, steps, force)
+    check_daemon(ctx, steps)
+    native_build.preflight(ctx)  # g++ and cuda.h, when this machine builds the extension (exit 12)
+    return out
+
+
 def cmd_build(ctx: Context, args: argparse.Namespace) -> int:
     steps = plan(ctx, args.image)
-    native_build.preflight(ctx)  # g++ and cuda.h, when this machine builds: before anything is fetched
+    out = preflight(ctx, steps, args.force)
     if args.dry_run:
         for n, step in enumerate(steps, 1):
             print(f"{n}. {step.name:<9} -> {step.destination}")
             print("".join(f"     {line}\n" for line in step.details), end="")
         return 0
     verify = False if args.no_verify else None
-    run = Run(ctx, check_outputs(ctx, steps, args.force), verify, args.force)
+    run = Run(ctx, out, verify, args.force)
     for n, step in enumerate(steps, 1):
         ctx.progress.say(f"== [{n}/{len(steps)}] {step.name}")
         run.summary.append(f"{step.name:<9} {step.run(run)}")
@@ -171,7 +208,10 @@ def cmd_build(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def _build_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dry-run", action="store_true", help="print the steps and where each output goes; do nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check what build checks before its first step (the series, the output folders, a Docker "
+                   "daemon and images where a step needs them), print the steps and where each output goes; write "
+                   "nothing")
     p.add_argument("--image", action="store_true", help="also build the bundle image (needs a Docker daemon)")
     p.add_argument("--no-verify", action="store_true", help="do not verify overlays inside the target images")
     fsutil.add_force_argument(p, "write the outputs even into folders that hold files this tool did not write")

@@ -11,6 +11,11 @@ A lane is checked the same way, and then every fix the shipped layout knows that
 does not carry is looked for in the pristine tree: another lane's patch for it reverse-applies,
 or its probes match -> not carried, landed upstream (the lane rightly dropped it); neither
 -> not carried, missing (the lane's users lack a fix upstream has not made).
+
+Where a fix that did not land has several probes and some match while others do not, the
+result names both ("partly landed upstream: PATH::QUALNAME; not landed: ..."): upstream made
+part of the fix (vLLM 0.26.0 synchronizes in the free callback, not in sleep()). The outcome,
+and so the exit code, stays what the patch itself did.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from dataclasses import dataclass, field
 from ..errors import BundleError
 from ..series.apply import HunkFailure, HunkResult, VirtualTree, apply_file_patch
 from ..series.lane import Fix, Lane
-from ..series.patch import Patch, Series
+from ..series.patch import Patch, Probe, Series
 from ..series.probes import probe_matches
 from ..source.pin import SourceTree
 
@@ -48,16 +53,34 @@ class PatchResult:
     offsets: tuple[tuple[str, int, int], ...] = ()  # (path, hunk, offset) where offset != 0
     landed_by: str | None = None  # "reverse-apply" | "probe"
     conflict: Conflict | None = None
+    # Each probe of the fix (PATH::QUALNAME) and whether it matched, when they were asked
+    # (every outcome but a reverse-apply landing).
+    probes: tuple[tuple[str, bool], ...] = ()
 
     @property
     def missing(self) -> bool:
         """A fix the lane does not carry and upstream has not made."""
         return self.outcome is Outcome.NOT_CARRIED and self.landed_by is None
 
+    @property
+    def partly_landed(self) -> bool:
+        """Some of the fix's probes match and some do not: upstream made part of the fix."""
+        return self.landed_by is None and {m for _, m in self.probes} == {True, False}
+
+    def probes_where(self, matched: bool) -> list[str]:
+        return [name for name, m in self.probes if m is matched]
+
     def summary(self) -> str:
+        if not self.partly_landed:
+            return self._outcome()
+        return (f"{self._outcome()}; partly landed upstream: {', '.join(self.probes_where(True))}; "
+                f"not landed: {', '.join(self.probes_where(False))}")
+
+    def _outcome(self) -> str:
         if self.outcome is Outcome.NOT_CARRIED:
             if self.missing:
-                return "not carried, and not landed upstream: this lane lacks the fix"
+                wholly = " wholly" if self.partly_landed else ""
+                return f"not carried, and not{wholly} landed upstream: this lane lacks the fix"
             return f"not carried: landed upstream ({self.landed_by})"
         if self.outcome is Outcome.APPLIES:
             if not self.offsets:
@@ -133,6 +156,16 @@ def _try_apply(tree: VirtualTree, patch: Patch, fuzz: int, reverse: bool = False
     return results
 
 
+def probe_name(probe: Probe) -> str:
+    """How a report names a probe: ``PATH::QUALNAME`` (``PATH`` for a whole-file probe)."""
+    return f"{probe.path}::{probe.qualname}" if probe.qualname else probe.path
+
+
+def ask_probes(tree: VirtualTree, probes: tuple[Probe, ...]) -> tuple[tuple[str, bool], ...]:
+    """Each probe's name and whether it matches ``tree`` as it stands."""
+    return tuple((probe_name(p), probe_matches(tree, p)) for p in probes)
+
+
 def classify(tree: VirtualTree, patch: Patch, fuzz: int = 0) -> PatchResult:
     # Reverse-apply and probes look at the tree as it stands; neither changes it.
     probe_tree = VirtualTree(tree.root, dict(tree.edits))
@@ -141,29 +174,31 @@ def classify(tree: VirtualTree, patch: Patch, fuzz: int = 0) -> PatchResult:
         return PatchResult(patch.id, Outcome.LANDED, landed_by="reverse-apply")
     except HunkFailure:
         pass
-    if patch.probes and all(probe_matches(probe_tree, p) for p in patch.probes):
-        return PatchResult(patch.id, Outcome.LANDED, landed_by="probe")
+    probes = ask_probes(probe_tree, patch.probes)
+    if probes and all(m for _, m in probes):
+        return PatchResult(patch.id, Outcome.LANDED, landed_by="probe", probes=probes)
     try:
         applied = _try_apply(tree, patch, fuzz)
     except HunkFailure as failure:
         conflict = Conflict(failure.path, failure.index, failure.hunk.old_start, tuple(failure.diff_lines()))
-        return PatchResult(patch.id, Outcome.CONFLICT, conflict=conflict)
+        return PatchResult(patch.id, Outcome.CONFLICT, conflict=conflict, probes=probes)
     offsets = tuple((path, r.index, r.offset) for path, r in applied if r.offset)
-    return PatchResult(patch.id, Outcome.APPLIES, offsets=offsets)
+    return PatchResult(patch.id, Outcome.APPLIES, offsets=offsets, probes=probes)
 
 
-def landed_by(tree: VirtualTree, fix: Fix) -> str | None:
-    """How ``tree`` shows a fix it was not patched with: "reverse-apply" (some lane's patch
-    for it reverse-applies), "probe" (every probe of the fix matches), or None."""
+def not_carried(tree: VirtualTree, fix: Fix) -> PatchResult:
+    """How ``tree`` shows a fix it was not patched with: landed by "reverse-apply" (some
+    lane's patch for it reverse-applies), by "probe" (every probe of the fix matches), or
+    not (missing; the probes say whether part of it landed)."""
     for patch in fix.patches:
         try:
             _try_apply(VirtualTree(tree.root, dict(tree.edits)), patch, 0, reverse=True)
-            return "reverse-apply"
+            return PatchResult(fix.id, Outcome.NOT_CARRIED, landed_by="reverse-apply")
         except HunkFailure:
             pass
-    if fix.probes and all(probe_matches(tree, p) for p in fix.probes):
-        return "probe"
-    return None
+    probes = ask_probes(tree, fix.probes)
+    landed = "probe" if probes and all(m for _, m in probes) else None
+    return PatchResult(fix.id, Outcome.NOT_CARRIED, landed_by=landed, probes=probes)
 
 
 def check_lane(lane: Lane, source: SourceTree, fixes: dict[str, Fix], fuzz: int = 0) -> VersionReport:
@@ -174,7 +209,7 @@ def check_lane(lane: Lane, source: SourceTree, fixes: dict[str, Fix], fuzz: int 
     pristine = VirtualTree(source.root)
     for fix in fixes.values():
         if fix.id not in lane.series.ids:
-            report.results.append(PatchResult(fix.id, Outcome.NOT_CARRIED, landed_by=landed_by(pristine, fix)))
+            report.results.append(not_carried(pristine, fix))
     return report
 
 

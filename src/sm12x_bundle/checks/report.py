@@ -83,6 +83,10 @@ def to_json(reports: list[VersionReport]) -> str:
                 "outcome": res.outcome.value,
                 "offsets": [{"path": p, "hunk": h, "offset": o} for p, h, o in res.offsets],
                 "landed_by": res.landed_by,
+                "probes": [{"probe": name, "matches": m} for name, m in res.probes],
+                "partly_landed": {"landed": res.probes_where(True), "not_landed": res.probes_where(False)}
+                if res.partly_landed
+                else None,
                 "conflict": None
                 if res.conflict is None
                 else {
@@ -104,7 +108,8 @@ def to_junit(reports: list[VersionReport]) -> str:
 
     A conflict, or a fix the lane lacks, is a failure; a landed patch, carried or not, is
     'skipped' with the reason, so CI shows it without failing the build; a version that
-    could not run is an error.
+    could not run is an error. A fix partly landed upstream says so in its failure's
+    message, or in the system-out of a patch that applies.
     """
     suites = ET.Element("testsuites", name="sm12x-bundle check")
     for r in reports:
@@ -130,6 +135,8 @@ def to_junit(reports: list[VersionReport]) -> str:
             elif res.outcome in (Outcome.LANDED, Outcome.NOT_CARRIED):
                 ET.SubElement(case, "skipped", message=res.summary())
                 counts["skipped"] += 1
+            elif res.partly_landed:  # a patch that applies has no message of its own
+                ET.SubElement(case, "system-out").text = res.summary()
         for key, value in counts.items():
             suite.set(key, str(value))
     ET.indent(suites)

@@ -138,11 +138,17 @@ class ImageCache:
         return known
 
 
-def pinned_side(target: TargetConfig, source: SourceTree) -> ImageSide:
-    """The pinned tree as the image's stand-in: the target says it carries that release unchanged."""
+def pinned_root(target: TargetConfig) -> str:
+    """Where vLLM sits in a pinned target's image, which the pinned tree standing in for it
+    cannot tell: the target must say (ConfigError)."""
     if not target.root:
         raise ConfigError(f"target {target.name} is pinned but has no root: without Docker it must say where vLLM is")
-    root = normal_root(target.root, f"target {target.name}")
+    return normal_root(target.root, f"target {target.name}")
+
+
+def pinned_side(target: TargetConfig, source: SourceTree) -> ImageSide:
+    """The pinned tree as the image's stand-in: the target says it carries that release unchanged."""
+    root = pinned_root(target)
 
     def read(paths: list[str]) -> dict[str, ImageFile | None]:
         return {p: _entry_or_none(source.root / p) for p in paths}

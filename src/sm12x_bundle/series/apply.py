@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import inputs
 from ..errors import SeriesError
 from .patch import FilePatch, Hunk
 
@@ -166,6 +167,33 @@ class VirtualTree:
     def changed(self) -> dict[str, FileText | None]:
         return dict(self.edits)
 
+    def obstacle(self, path: str) -> str | None:
+        """What stands where ``path`` would be written as a regular file, with the edits so
+        far: a file (or anything but a folder) where one of its folders must be, or a folder
+        (or anything but a regular file) at the path itself. None: nothing."""
+        parts = path.split("/")
+        for n in range(1, len(parts)):
+            above = "/".join(parts[:n])
+            what = self._what_is(above)
+            if what not in (None, "a folder"):
+                return f"{above} is {what}"
+        what = self._what_is(path)
+        return f"{path} is {what}" if what not in (None, "a regular file") else None
+
+    def _what_is(self, path: str) -> str | None:
+        """What the tree holds at ``path`` after the edits, in words; None: nothing."""
+        if path in self.edits:
+            return None if self.edits[path] is None else "a regular file"
+        if any(p.startswith(path + "/") and text is not None for p, text in self.edits.items()):
+            return "a folder"
+        full = self._checked(path)  # a link to a folder inside the tree is a folder
+        try:
+            return inputs.kind(os.stat(full).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            return "a symbolic link that leads nowhere" if os.path.lexists(full) else None
+        except (OSError, RuntimeError) as exc:
+            raise SeriesError(f"{path} cannot be looked at in the tree: {exc}") from None
+
 
 _NO_HUNK = Hunk(0, 0, 0, 0, (), 0)  # stands in, in a conflict report, for a file patch without hunks
 
@@ -174,12 +202,16 @@ def apply_file_patch(tree: VirtualTree, fp: FilePatch, fuzz: int = 0) -> list[Hu
     """Apply one file's hunks to the virtual tree, or raise (the tree is unchanged then)."""
     current = tree.read(fp.path)
     first, last = (fp.hunks[0], fp.hunks[-1]) if fp.hunks else (_NO_HUNK, _NO_HUNK)
+    expected = ["<no file>"] if fp.new_file else first.old
+    blocked = tree.obstacle(fp.path) if current is None else None
+    if blocked:  # a file where the patch needs a folder, or a folder where it needs a file
+        raise HunkFailure(fp.path, 1, first, expected, [f"<{blocked}>"], 0)
     if fp.new_file:
         if current is not None:
-            raise HunkFailure(fp.path, 1, first, ["<no file>"], ["<file exists>"], 0)
+            raise HunkFailure(fp.path, 1, first, expected, ["<file exists>"], 0)
         current = FileText([], True, fp.mode & 0o777 if fp.mode else 0o644)
     elif current is None:
-        raise HunkFailure(fp.path, 1, first, first.old, ["<file missing>"], 0)
+        raise HunkFailure(fp.path, 1, first, expected, ["<file missing>"], 0)
     lines, results = apply_hunks(fp.path, current.lines, fp, fuzz)
     if fp.deleted:
         if lines:

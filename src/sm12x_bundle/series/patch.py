@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path, PurePosixPath
 
+from .. import inputs
 from ..errors import SeriesError
 
 REQUIRED = ("Description", "Origin", "Forwarded", "Applied-Upstream", "Last-Update", "Sm12x-Kind")
@@ -245,10 +246,16 @@ def _one_file(lines: list[str], i: int, file: Path) -> tuple[FilePatch, int]:
         line = lines[i]
         if line.startswith(_UNSUPPORTED):
             raise SeriesError(f"{file}:{i + 1}: {line.split(' ')[0]} patches are not supported")
+        if line.startswith(("old mode ", "new mode ")):
+            _mode(line, f"{file}:{i + 1}")  # a symlink's is refused as such, before the change itself
+            raise SeriesError(f"{file}:{i + 1}: mode changes (old mode/new mode) are not supported")
         if line.startswith("new file mode "):
             new_file, mode = True, _mode(line, f"{file}:{i + 1}")
         elif line.startswith("deleted file mode "):
             deleted = True
+            _mode(line, f"{file}:{i + 1}")
+        elif line.startswith("index ") and len(line.split()) == 3:
+            _mode(line, f"{file}:{i + 1}")  # "index a..b 100644": the mode of a file left in place
         elif line.startswith("--- "):
             old = _strip_prefix(line[4:], "a/", f"{file}:{i + 1}")
         elif line.startswith("+++ "):
@@ -263,11 +270,24 @@ def _one_file(lines: list[str], i: int, file: Path) -> tuple[FilePatch, int]:
     return FilePatch(path, hunks, new_file, deleted, mode, eof[0], eof[1]), i
 
 
+# The only modes git gives a regular file; anything else is a link or a submodule, which the
+# applier would write as a regular file (a symlink's 120000 as mode 0000).
+REGULAR_MODES = (0o100644, 0o100755)
+_MODE_WORDS = {0o120000: "a symbolic link", 0o160000: "a submodule (gitlink)", 0o040000: "a folder"}
+
+
 def _mode(line: str, where: str) -> int:
     try:
-        return int(line.split()[-1], 8)
+        mode = int(line.split()[-1], 8)
     except ValueError:
         raise SeriesError(f"{where}: {line!r} does not end in an octal file mode") from None
+    if mode not in REGULAR_MODES:
+        what = _MODE_WORDS.get(mode, "not a regular file's mode")
+        raise SeriesError(
+            f"{where}: mode {mode:06o} ({what}) is refused: a patch may only add or change regular files "
+            "(100644, 100755)"
+        )
+    return mode
 
 
 def _hunks(lines: list[str], i: int, file: Path):
@@ -304,14 +324,16 @@ def _hunks(lines: list[str], i: int, file: Path):
     return tuple(hunks), i, (old_eof, new_eof)
 
 
+# A series names a few patches; the largest shipped patch is 83 KB. Files are read only up
+# to these sizes (and never a FIFO or a device: inputs.read_bounded), so no series can hang.
+MAX_SERIES_BYTES = inputs.MIB
+MAX_PATCH_BYTES = 16 * inputs.MIB
+
+
 def load_series(series_file: Path) -> Series:
     """Read a series file and every patch it names, in order (none is allowed)."""
-    try:
-        entries = series_file.read_text("utf-8").splitlines()
-    except OSError as exc:
-        raise SeriesError(f"cannot read series {series_file}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise SeriesError(f"{series_file} is not UTF-8 text (byte {exc.start})") from None
+    data = inputs.read_bounded(series_file, MAX_SERIES_BYTES, SeriesError, "series")
+    entries = inputs.decode_utf8(data, SeriesError, series_file).splitlines()
     patches = []
     for n, raw in enumerate(entries, 1):
         name = raw.split("#", 1)[0].strip().split()[0] if raw.split("#", 1)[0].strip() else ""
@@ -320,12 +342,10 @@ def load_series(series_file: Path) -> Series:
         safe_path(name, f"{series_file}:{n}")
         path = series_file.parent / name
         try:
-            text = path.read_text("utf-8")
-        except OSError as exc:
-            raise SeriesError(f"{series_file}:{n}: cannot read {name}: {exc.strerror}") from None
-        except UnicodeDecodeError as exc:
-            raise SeriesError(f"{series_file}:{n}: {name} is not UTF-8 text (byte {exc.start})") from None
-        patches.append(parse_patch(text, path))
+            data = inputs.read_bounded(path, MAX_PATCH_BYTES, SeriesError, "patch")
+        except SeriesError as exc:
+            raise SeriesError(f"{series_file}:{n}: {exc}") from None
+        patches.append(parse_patch(inputs.decode_utf8(data, SeriesError, path), path))
     # No patches is a lane that carries nothing (every fix landed, or none written yet).
     ids = [p.id for p in patches]
     if len(set(ids)) != len(ids):
