@@ -1,4 +1,5 @@
-"""Download an sdist into the cache; its sha256 is verified on the way in and on every use."""
+"""Download a file (an sdist; for the tests, a wheel) into the cache; its sha256 is
+verified on the way in and on every use."""
 
 from __future__ import annotations
 
@@ -25,21 +26,28 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def _entry(cache: Path, sha256: str, filename: str) -> Path:
-    return cache / "sdists" / sha256 / filename
+def _entry(cache: Path, sha256: str, filename: str, shelf: str = "sdists") -> Path:
+    return cache / shelf / sha256 / filename
 
 
 def cached_sdist(cache: Path, pin, progress: Progress | None = None) -> Path | None:
-    """The cached sdist for a pin with a known sha256, hashed now and found whole.
+    """The cached sdist for a pin with a known sha256, hashed now and found whole."""
+    if pin.sha256 is None:
+        return None
+    return cached_file(cache, pin.sha256, pin.filename, progress=progress)
+
+
+def cached_file(
+    cache: Path, sha256: str, filename: str, shelf: str = "sdists", progress: Progress | None = None
+) -> Path | None:
+    """``<cache>/<shelf>/<sha256>/<filename>``, hashed now and found whole, or None.
 
     A cached copy that differs from the sha256 is discarded (with a notice), so the
     caller fetches it again.
     """
-    if pin.sha256 is None:
-        return None
-    path = _entry(cache, pin.sha256, pin.filename)
-    with locked(cache, pin.sha256):
-        return path if _whole_or_discarded(path, pin.sha256, progress) else None
+    path = _entry(cache, sha256, filename, shelf)
+    with locked(cache, sha256):
+        return path if _whole_or_discarded(path, sha256, progress) else None
 
 
 def _whole_or_discarded(path: Path, sha256: str, progress: Progress | None) -> bool:
@@ -55,10 +63,10 @@ def _whole_or_discarded(path: Path, sha256: str, progress: Progress | None) -> b
 
 
 def download(
-    url: str, sha256: str, cache: Path, filename: str, *, progress: Progress | None = None
+    url: str, sha256: str, cache: Path, filename: str, *, shelf: str = "sdists", progress: Progress | None = None
 ) -> Path:
-    """Fetch ``url`` into the cache; a hash mismatch leaves nothing behind."""
-    dest = _entry(cache, sha256, filename)
+    """Fetch ``url`` into ``<cache>/<shelf>/<sha256>/``; a hash mismatch leaves nothing behind."""
+    dest = _entry(cache, sha256, filename, shelf)
     with locked(cache, sha256):
         if _whole_or_discarded(dest, sha256, progress):  # another run fetched it while we waited
             return dest

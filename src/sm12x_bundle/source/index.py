@@ -1,4 +1,4 @@
-"""Find an sdist and its sha256 in a PEP 503 / PEP 691 simple index."""
+"""Find a release file (an sdist, a wheel) and its sha256 in a PEP 503 / PEP 691 simple index."""
 
 from __future__ import annotations
 
@@ -83,7 +83,12 @@ def _links(body: bytes, content_type: str, page_url: str) -> dict[str, tuple[str
 
 def find_sdist(index: str, filename: str) -> tuple[str, str | None]:
     """Return (url, sha256 the index lists) for ``filename`` of project vllm."""
-    page = index.rstrip("/") + "/vllm/"
+    return find_file(index, "vllm", filename)
+
+
+def find_file(index: str, project: str, filename: str) -> tuple[str, str | None]:
+    """Return (url, sha256 the index lists) for ``filename`` of ``project``."""
+    page = index.rstrip("/") + f"/{project}/"
     if page.startswith("file:") and not page.endswith("index.html"):
         page += "index.html"
     body, content_type = _get(page)
