@@ -3,25 +3,31 @@
 Used by tests/test_fuzz.py (a small fixed budget in CI) and scripts/fuzz (a long one).
 Each ``check_*`` function takes one generated input, runs the real code on it in a private
 temporary folder, and raises ``Finding`` when a property breaks: an exception that is not
-the typed error, a write outside the destination, or an unsafe entry left in a tree.
+the typed error, a write outside the destination, an unsafe entry left in a tree, or (for
+configs) more time or memory than a config may take.
 """
 
 from __future__ import annotations
 
 import bz2
+import functools
 import gzip
 import hashlib
 import lzma
 import os
+import resource
 import shutil
+import signal
 import stat
 import tarfile
 import tempfile
+import time
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
 from hypothesis import strategies as st
 
 from sm12x_bundle.errors import BundleError, FetchError
@@ -38,7 +44,8 @@ OUTCOMES: Counter[tuple[str, str]] = Counter()  # (target, how the input ended)
 
 class Finding(AssertionError):
     """A property broke. ``kind``: 'traceback' (an untyped exception), 'outside' (a write or
-    link outside, or an unsafe entry in the tree) or 'hang' (set by scripts/fuzz)."""
+    link outside, or an unsafe entry in the tree), 'hang' (scripts/fuzz's limit, or a
+    config's) or 'memory' (a config's)."""
 
     def __init__(self, kind: str, message: str):
         self.kind = kind
@@ -472,3 +479,194 @@ def _parse_and_apply(series_file: Path, tree: Path) -> None:
                     raise Finding("outside", f"the applier produced an edit for {path!r}, which is {where}")
                 if text is not None:
                     text.to_bytes()  # what the writers call next
+
+
+# ---------------------------------------------------------------- configs
+
+# Bounds for one config: the tool reads a few KiB into a dozen dataclasses, so a document
+# that takes longer or more memory than this is a finding (a 'hang' or 'memory'), whatever
+# it holds. scripts/fuzz runs under its own, wider, address-space limit as well.
+CONFIG_SECONDS = 2.0
+CONFIG_MEMORY = 512 << 20
+
+
+@functools.lru_cache(maxsize=1)
+def _schema() -> dict:
+    from sm12x_bundle import config as config_mod
+
+    return yaml.safe_load(config_mod.default_text())
+
+
+def _maybe(draw, strategy, otherwise=None):
+    """``_rarely`` inside a composite: one draw of an integer instead of a flatmap (the
+    schema has a few hundred places, and flatmap is slow)."""
+    return draw(strategy) if draw(st.integers(0, 23)) == 12 else otherwise
+
+
+_ODD_SCALARS = [
+    "", "0.21.0", "0.33.0", "latest", "/abs/path", "../escape", "~", "a b", "x" * 300, "\u00e9", "\ufeff",
+    "sha256:" + "0" * 64, "0" * 64, "${meta.gpu_pool}", "--port=1", "yes", "no", "null", "~/x", ".nan", "0o17",
+    "0x1F", "1e400", "-.inf", "2026-11-25", "12:30:00", "<<",
+]  # fmt: skip
+_SCALAR = st.one_of(
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.booleans(),
+    st.none(),
+    st.text(max_size=20),
+    st.sampled_from(_ODD_SCALARS),
+)
+_VALUE = st.recursive(
+    _SCALAR,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=12,
+)
+_KEYS = st.sampled_from(["pin", "lanes", "series", "check", "output", "targets", "image", "jobs", "version",
+                         "sha256", "name", "port", "gpus", "env", "prot", "jbos", "x-extra", ""])  # fmt: skip
+
+
+def _around(draw, value):
+    """``value`` from the real schema, kept mostly whole: a key dropped, a value replaced, an
+    unknown key added, a list cut or repeated, each rarely, so most documents get past the
+    first check and reach the value checks behind it."""
+    if isinstance(value, dict):
+        out = {}
+        for key, inner in value.items():
+            if not _maybe(draw, st.just(True), False):  # else the key is dropped
+                out[key] = _around(draw, inner)
+        for key, inner in _maybe(draw, st.lists(st.tuples(_KEYS, _VALUE), max_size=2), []):
+            out.setdefault(key, inner)
+        return out
+    if isinstance(value, list):
+        items = [_around(draw, v) for v in value]
+        cut = _maybe(draw, st.integers(0, len(items)), len(items))
+        return items[:cut] + _maybe(draw, st.lists(st.sampled_from(items or [None]), max_size=3), [])
+    return _maybe(draw, _VALUE, value)
+
+
+def _bomb(levels: int, width: int) -> str:
+    lines = [f"x0: &x0 [{', '.join(['lol'] * width)}]"]
+    lines += [f"x{i}: &x{i} [{', '.join([f'*x{i - 1}'] * width)}]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + "\n"
+
+
+_TEXT_DAMAGE = st.sampled_from([
+    lambda t, n: _bomb(min(n, 9), 9) + t,                                   # an alias bomb beside the settings
+    lambda t, n: t.replace("fuzz: 0", "fuzz: &f 0\n  versions: *f", 1),    # one anchor, one alias
+    lambda t, n: t.replace("check:", "check: &c\n  fuzz: 1\nx: {<<: *c}\nz:", 1),  # a merge key
+    lambda t, n: "[" * n * 50 + "]" * n * 50 + "\n",                        # deep flow lists
+    lambda t, n: "{a: " * n * 50 + "}" * n * 50 + "\n",                     # deep flow mappings
+    lambda t, n: "".join(f"{'  ' * i}k{i}:\n" for i in range(n * 8)),       # deep block mappings
+    lambda t, n: t.replace("fuzz: 0", "fuzz: " + "9" * (n * 1000), 1),      # a huge number
+    lambda t, n: t + "x-big: " + "x" * (n * 10_000) + "\n",                 # a long scalar
+    lambda t, n: t + "# " + "." * (n * 200_000) + "\n",                     # a huge comment (size alone)
+    lambda t, n: "",                                                        # empty
+    lambda t, n: "# only a comment\n",
+    lambda t, n: "{}\n",
+    lambda t, n: t + "---\n" + t,                                           # two documents
+    lambda t, n: "%YAML 1.1\n%TAG ! tag:x,2026:\n---\n" + t,                 # directives
+    lambda t, n: t.replace("fuzz: 0", "fuzz: !!python/object/apply:os.system ['true']", 1),
+    lambda t, n: t.replace("fuzz: 0", "fuzz: !!binary aGk=", 1),
+    lambda t, n: t.replace("fuzz: 0", "fuzz: !custom 0", 1),
+    lambda t, n: t.replace("fuzz: 0", "fuzz: 0\nfuzz: 1", 1),               # a duplicate key
+    lambda t, n: t.replace("  ", "\t", 1),                                   # a tab in the indentation
+    lambda t, n: t[: len(t) * n // 10],                                      # cut short
+])  # fmt: skip
+_BYTE_DAMAGE = st.sampled_from([
+    lambda b: b.replace(b"check", "ch\u00e9ck".encode("latin-1"), 1),        # latin-1, not UTF-8
+    lambda b: b.decode("utf-8", "replace").encode("utf-16"),                 # UTF-16 with its BOM
+    lambda b: b"\xef\xbb\xbf" + b,                                           # a UTF-8 BOM
+    lambda b: b + b"\xff\xfe\x00",
+    lambda b: b.replace(b"0", b"\x00", 1),                                   # a NUL byte
+    lambda b: b.replace(b"e", b"\xc3\x28", 1),                               # a broken sequence
+])  # fmt: skip
+
+
+@st.composite
+def config_documents(draw) -> bytes:
+    """A YAML config around the real schema (src/sm12x_bundle/data/default.yaml), then maybe
+    one text-level hostility (aliases, nesting, size, tags, documents), then maybe damage
+    at the byte level; about one in twenty is raw bytes."""
+    if _maybe(draw, st.just(True), False):
+        return draw(st.binary(max_size=2000))
+    text = yaml.dump(_around(draw, _schema()), Dumper=_DUMPER, sort_keys=False, allow_unicode=True)
+    if draw(st.integers(0, 3)) == 0:  # hostility is the point here: one document in four
+        damage, n = draw(_TEXT_DAMAGE), draw(st.integers(1, 10))
+        text = damage(text, n)
+    data = text.encode("utf-8", "surrogateescape")
+    hurt = _maybe(draw, _BYTE_DAMAGE)
+    return hurt(data) if hurt else data
+
+
+_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)  # libyaml's, where PyYAML has it: faster
+CONFIG_INPUTS = config_documents()
+
+
+@contextmanager
+def bounded(seconds: float, memory: int):
+    """Run the block under a time limit (SIGALRM: Finding 'hang') and an address-space limit
+    ``memory`` bytes above what the process holds now (MemoryError: Finding 'memory').
+    An outer alarm (scripts/fuzz's) and the old limit are put back afterwards."""
+    outer_left, _ = signal.getitimer(signal.ITIMER_REAL)
+    outer_started = time.monotonic()
+
+    def hang(*_):
+        signal.setitimer(signal.ITIMER_REAL, 0.05)  # again soon, should this one be swallowed (a __del__, gc)
+        raise Finding("hang", f"one config took more than {seconds} s")
+
+    old_handler = signal.signal(signal.SIGALRM, hang)
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    in_use = int(Path("/proc/self/statm").read_text().split()[0]) * resource.getpagesize()
+    cap = in_use + memory if hard == resource.RLIM_INFINITY else min(in_use + memory, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    except MemoryError:
+        raise Finding("memory", f"one config took more than {memory >> 20} MiB") from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        signal.signal(signal.SIGALRM, old_handler)
+        if outer_left:
+            signal.setitimer(signal.ITIMER_REAL, max(0.001, outer_left - (time.monotonic() - outer_started)))
+
+
+def check_config(data: bytes) -> None:
+    """``config.load`` returns a Config or raises ConfigError, within CONFIG_SECONDS and
+    CONFIG_MEMORY; nothing on disk changes."""
+    from sm12x_bundle import config as config_mod
+    from sm12x_bundle.errors import ConfigError
+
+    TRIED["config loader"] += 1
+    with _workspace() as base:
+        path = base / "sm12x-bundle.yaml"
+        path.write_bytes(data)
+        before = snapshot(base)
+        try:
+            with bounded(CONFIG_SECONDS, CONFIG_MEMORY):
+                loaded = config_mod.load(path, base)
+            OUTCOMES["config loader", "loaded"] += 1
+            if not isinstance(loaded, config_mod.Config):
+                raise Finding("traceback", f"load returned {type(loaded).__name__}, not a Config")
+        except ConfigError as exc:
+            OUTCOMES["config loader", _config_reason(str(exc))] += 1
+        except Finding:
+            raise
+        except Exception as exc:
+            raise Finding("traceback", f"{type(exc).__name__}: {str(exc)[:200]}") from exc
+        changed = _diff(before, snapshot(base))
+        if changed:
+            raise Finding("outside", "; ".join(changed[:5]))
+
+
+def _config_reason(message: str) -> str:
+    """The kind of a refusal, without the names in it."""
+    for key in (
+        "anchors and aliases", "alias", "nested", "UTF-8", "larger than", "no settings", "not valid YAML",
+        "duplicate key", "unknown key", "keys must be strings", "tag", "must be a mapping", "must be a list",
+        "needs", "must be", "does not exist", "unique", "is below every lane",
+    ):  # fmt: skip
+        if key in message:
+            return "refused: " + key
+    return "refused: other (" + message.split(": ", 2)[-1][:50] + ")"

@@ -12,9 +12,10 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import needs
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = needs.module("torch")
 
 from test_cumem_patches import LAYOUT, FakeCuda, assert_woken_intact, load_cumem
 

@@ -18,6 +18,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import needs
 import pytest
 
 from lanekit import LANES, lane_tree  # noqa: F401
@@ -90,7 +91,7 @@ def test_plan_without_stubs_leaves_libcuda_to_the_linker(tmp_path, py_include):
 def test_plan_defaults_to_this_python(tmp_path, toolkit):
     include = Path(sysconfig.get_paths()["include"])
     if not (include / "Python.h").is_file():
-        pytest.skip("this Python has no development headers")
+        needs.missing("this Python has no development headers")
     assert f"-I{include}" in native.cumem_build_argv(tmp_path, tmp_path, cuda_home=toolkit)
 
 
@@ -131,11 +132,11 @@ def cuda_home() -> Path:
     try:
         home = native.find_cuda_home()
     except BundleError as exc:
-        pytest.skip(str(exc))
+        needs.missing(str(exc))
     if not (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file():
-        pytest.skip("this Python has no development headers")
+        needs.missing("this Python has no development headers")
     if not (shutil.which("g++") and shutil.which("cc")):
-        pytest.skip("no C/C++ compiler")
+        needs.missing("no C/C++ compiler")
     return home
 
 

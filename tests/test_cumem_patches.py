@@ -25,9 +25,10 @@ import weakref
 from contextlib import contextmanager
 from pathlib import Path
 
+import needs
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = needs.module("torch")
 
 from lanekit import LANES, lane_tree  # noqa: E402, F401
 from sm12x_bundle.series.apply import VirtualTree  # noqa: E402

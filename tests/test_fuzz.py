@@ -11,11 +11,22 @@ import signal
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-
-from fuzzkit import ARCHIVES, PATCH_INPUTS, Archive, Member, archive_bytes, check_extract, check_patch
+from fuzzkit import (
+    ARCHIVES,
+    CONFIG_INPUTS,
+    PATCH_INPUTS,
+    Archive,
+    Member,
+    archive_bytes,
+    check_config,
+    check_extract,
+    check_patch,
+)
+from hypothesis import HealthCheck, Phase, given, settings
 from patchkit import make_patch
-from sm12x_bundle.errors import FetchError, SeriesError
+
+from sm12x_bundle import config as config_mod
+from sm12x_bundle.errors import ConfigError, FetchError, SeriesError
 from sm12x_bundle.series.apply import HunkFailure, VirtualTree, apply_file_patch
 from sm12x_bundle.series.patch import FilePatch, load_series, parse_patch
 from sm12x_bundle.source.extract import cached_tree
@@ -39,6 +50,14 @@ def test_sdist_extractor_extracts_inside_or_refuses(archive):
 @given(PATCH_INPUTS)
 def test_patch_parser_and_applier_apply_conflict_or_refuse(data):
     check_patch(data)
+
+
+# A config that hangs costs its whole time bound on every replay, so CI reports the input
+# it found as it is; scripts/fuzz shrinks it.
+@settings(CI, max_examples=150, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@given(CONFIG_INPUTS)
+def test_config_loader_loads_or_refuses_in_bounded_time_and_memory(data):
+    check_config(data)
 
 
 # ---- what the fuzzers found, kept as plain regression tests (docs/fuzzing.md lists them)
@@ -161,3 +180,11 @@ def test_a_file_patch_without_hunks_conflicts_instead_of_crashing(tmp_path, new,
     fp = FilePatch("a.py", (), new_file=new, deleted=deleted)
     with pytest.raises(HunkFailure, match="a.py: hunk #1"):
         apply_file_patch(VirtualTree(tmp_path), fp)
+
+
+def test_a_number_too_long_to_read_is_a_config_error(tmp_path):
+    # Python reads at most 4300 digits into an int: the YAML constructor's ValueError was a bug (exit 2).
+    path = tmp_path / "c.yaml"
+    path.write_text("check:\n  fuzz: " + "9" * 5000 + "\n")
+    with pytest.raises(ConfigError, match=r"c.yaml:2: not valid YAML: a number of 5000 digits, too long to read"):
+        config_mod.load(path)

@@ -24,6 +24,7 @@ from docker_support import (  # noqa: F401  (fixtures)
     standin_official,
     standin_opt,
     standin_skew,
+    unavailable,
 )
 from patchkit import make_patch, write_series
 
@@ -684,7 +685,7 @@ def test_rendered_contexts_build_with_buildkit_too(daemon, bundle, tmp_path):
     """The bundle fixture built both contexts with the classic builder (the SDK); BuildKit
     (Docker's default builder since 23.0) must build the same files, FROM and all."""
     if not DEBIAN_DOCKER_CLI.is_file():
-        pytest.skip(f"{DEBIAN_DOCKER_CLI} (Debian's docker.io CLI) is not installed")
+        unavailable(f"{DEBIAN_DOCKER_CLI} (Debian's docker.io CLI) is not installed")
     out, tag = bundle
     env = {**os.environ, "DOCKER_BUILDKIT": "1"}
     for name in ("builder", "bundle"):

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import needs
 import pytest
 
 from sm12x_bundle.checks.check import Outcome, check_tree
@@ -93,8 +94,7 @@ def test_stream_aware_free_is_half_landed_in_later_releases(series, release_sour
 def test_git_am_takes_the_series_as_mails(lane, lane_source, tmp_path):
     """Each patch is one `git format-patch` mail: `git am` applies the series in order, and
     the commit it makes carries the headers as its message and only the diff as its change."""
-    if shutil.which("git") is None:
-        pytest.skip("git is not installed")
+    needs.tool("git", "git")
     work = tmp_path / "work"
     for rel in lane.series.paths:
         if (lane_source.root / rel).exists():
@@ -115,8 +115,7 @@ def test_git_am_takes_the_series_as_mails(lane, lane_source, tmp_path):
 def test_our_applier_agrees_with_gnu_patch(lane, lane_source, tmp_path):
     """Cross-check the in-memory applier against GNU patch -F0 on a copy of the touched files."""
     series, pinned_tree = lane.series, lane_source.root
-    if shutil.which("patch") is None:
-        pytest.skip("GNU patch is not installed")
+    needs.tool("patch", "GNU patch")
     work = tmp_path / "work"
     for rel in series.paths:
         if (pinned_tree / rel).exists():

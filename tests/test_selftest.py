@@ -19,6 +19,7 @@ import sysconfig
 import textwrap
 from pathlib import Path
 
+import needs
 import pytest
 
 from lanekit import LANES, lane_tree  # noqa: F401
@@ -538,7 +539,7 @@ def test_fault_stress_layout_is_small_varied_and_replayable():
 
 
 def test_injected_host_allocation_fails_at_the_kth_backup_and_counts_the_rest():
-    torch = pytest.importorskip("torch")
+    torch = needs.module("torch")
     host = faults.HostAllocationFails(torch, k=3)
     kept = [host.empty(16, dtype=torch.uint8, device="cpu") for _ in range(2)]
     assert host.empty(16, dtype=torch.uint8) is not None  # not a backup: not counted
@@ -634,9 +635,9 @@ def fake_libcuda(tmp_path_factory) -> Path:
     try:
         cuda_home = native.find_cuda_home()
     except Exception as exc:
-        pytest.skip(str(exc))
+        needs.missing(str(exc))
     if not shutil.which("gcc"):
-        pytest.skip("no C compiler")
+        needs.missing("no C compiler")
     out = tmp_path_factory.mktemp("fake_libcuda")
     cmd.run(["gcc", "-shared", "-fPIC", f"-I{cuda_home / 'include'}", "-Wl,-soname,libcuda.so.1",
              "-o", out / "libcuda.so.1", STUBS / "fake_libcuda.c"], echo=False)
@@ -648,7 +649,7 @@ def fake_libcuda(tmp_path_factory) -> Path:
 @pytest.mark.integration
 def test_stage_builds_the_pinned_extension_alone_without_a_driver(pinned_tree, fake_libcuda, tmp_path):
     if not (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file():
-        pytest.skip("this Python has no development headers")
+        needs.missing("this Python has no development headers")
 
     def build(tree, out, **kw):
         return native.build_cumem_extension(tree, out, libcuda=fake_libcuda, **kw)
@@ -673,10 +674,10 @@ def test_each_lanes_cumem_py_loads_against_its_built_extension_on_a_cpu(lane_tre
     cumem_available is True, cumem.py found the extension built from the tree, and the
     tree says which release it is (what decides the scenarios upstream has fixed)."""
     for module in ("torch", "numpy", "packaging", "psutil", "regex", "zmq", "urllib3"):
-        pytest.importorskip(module)
+        needs.module(module)
     cudart = next(iter(sorted(Path(native.find_cuda_home()).glob("lib*/libcudart.so*"))), None)
     if cudart is None:
-        pytest.skip("no libcudart in the CUDA toolkit")
+        needs.missing("no libcudart in the CUDA toolkit")
     tree = lane_tree(lane, variant)
     ext = native.build_cumem_extension(tree, tmp_path / "ext", libcuda=fake_libcuda)
     env = runner.child_env({"LD_LIBRARY_PATH": str(fake_libcuda), "VLLM_CUDART_SO_PATH": str(cudart)})

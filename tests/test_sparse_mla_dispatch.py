@@ -8,16 +8,15 @@ pins). Importing it is impossible here (its ``flashinfer.mla`` needs
 table its ``supported_sparse_mla_sm120_configs()`` is built from
 (``_sparse_mla_sm120/_policy.py``) and builds the dsv4 entry the way
 ``_api.py`` does; the prefill facts the module keeps are checked against the
-C++ sources in the same wheel. The wheel is looked for at
-``$SM12X_FLASHINFER_WHEEL`` or ``~/.cache/sm12x-bundle/flashinfer/`` (get it with
-``pip download --no-deps flashinfer-python==0.7.2.post1 -d ~/.cache/sm12x-bundle/flashinfer``).
+C++ sources in the same wheel. The wheel is a test input (tests/data/test-inputs.json,
+pinned by sha256): scripts/test fetches it into the tool's cache, and the fixture fetches it
+there itself when a plain ``pytest`` run finds it missing.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib.util
-import os
 import re
 import sys
 import types
@@ -25,6 +24,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import testinputs
 from lanekit import lane_tree  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,10 +48,8 @@ def dispatch():
 
 @pytest.fixture(scope="module")
 def wheel() -> zipfile.ZipFile:
-    default = Path.home() / ".cache/sm12x-bundle/flashinfer" / WHEEL_NAME
-    path = Path(os.environ.get("SM12X_FLASHINFER_WHEEL", default))
-    if not path.is_file():
-        pytest.skip(f"no {WHEEL_NAME} at {path} (see the module docstring)")
+    path = testinputs.needed("flashinfer-python")
+    assert path.name == WHEEL_NAME
     return zipfile.ZipFile(path)
 
 

@@ -15,12 +15,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import needs
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = needs.module("torch")
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-triton = pytest.importorskip("triton")
+triton = needs.module("triton")
 
 pytestmark = pytest.mark.triton
 
@@ -41,7 +42,7 @@ def device() -> str:
 def _load(name):
     path = PKG / f"{name}.py"
     if not _on_gpu() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU, and triton was imported before TRITON_INTERPRET=1 was set")
+        needs.missing("no GPU, and triton was imported before TRITON_INTERPRET=1 was set")
     spec = importlib.util.spec_from_file_location(f"sm12x_sparse_mla_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

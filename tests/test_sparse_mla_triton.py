@@ -18,14 +18,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import needs
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = needs.module("torch")
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     # Triton decides at import and decoration time whether to interpret, so
     # this must happen before triton is first imported in this process.
     os.environ.setdefault("TRITON_INTERPRET", "1")
-triton = pytest.importorskip("triton")
+triton = needs.module("triton")
 
 pytestmark = pytest.mark.triton
 
@@ -53,7 +54,7 @@ def device() -> str:
 def mla():
     """The kernel module, imported alone by path."""
     if not _on_gpu() and not _interpreting():
-        pytest.skip("no GPU, and triton was imported before TRITON_INTERPRET=1 was set")
+        needs.missing("no GPU, and triton was imported before TRITON_INTERPRET=1 was set")
     spec = importlib.util.spec_from_file_location("sm12x_sparse_mla_attention", KERNEL_FILE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -312,15 +312,17 @@ def _plain(node: yaml.Node, origin: str) -> _Node:
         return _Node(out, line, lines)
     if isinstance(node, yaml.SequenceNode):
         return _Node([_plain(v, origin) for v in node.value], line)
-    return _Node(_scalar(node), line)
+    return _Node(_scalar(node, f"{origin}:{line}"), line)
 
 
-def _scalar(node: yaml.Node) -> Any:
+def _scalar(node: yaml.Node, where: str) -> Any:
     # SafeLoader's own constructor, so "0.70" is a float and "0.21.0" a string
     # exactly as yaml.safe_load would read them.
     loader = yaml.SafeLoader("")
     try:
         return loader.construct_object(node, deep=True)
+    except ValueError:  # Python reads at most 4300 digits into an int (sys.int_info)
+        raise ConfigError(f"{where}: not valid YAML: a number of {len(node.value)} digits, too long to read") from None
     finally:
         loader.dispose()
 

@@ -1,6 +1,7 @@
 """The cache: sdists and their extracted trees, keyed by sha256.
 
-Layout: ``<cache>/sdists/<sha256>/<file>`` and ``<cache>/trees/<sha256>/<top dir>``.
+Layout: ``<cache>/sdists/<sha256>/<file>`` and ``<cache>/trees/<sha256>/<top dir>``; the test
+suite keeps the files it reads from PyPI in ``<cache>/test-inputs/<sha256>/<file>``.
 Entries appear by atomic rename only, under a per-entry lock, so concurrent runs
 either see a whole entry or none, and never download or extract the same one twice.
 An entry found damaged is replaced under the same lock, again by rename. A cache the

@@ -30,11 +30,7 @@ def _entry(cache: Path, sha256: str, filename: str, folder: str = "sdists") -> P
 
 
 def cached_sdist(cache: Path, pin, progress: Progress | None = None) -> Path | None:
-    """The cached sdist for a pin with a known sha256, hashed now and found whole.
-
-    A cached copy that differs from the sha256 is discarded (with a notice), so the
-    caller fetches it again.
-    """
+    """The cached sdist for a pin with a known sha256, hashed now and found whole."""
     if pin.sha256 is None:
         return None
     return cached_file(cache, pin.sha256, pin.filename, progress=progress)
