@@ -91,7 +91,10 @@ def _words(items: list[str]) -> str:
 
 
 def _python_include() -> Path:
-    return Path(sysconfig.get_paths()["include"])
+    """SM12X_PYTHON_INCLUDE (a folder holding Python.h, for a Python installed without its
+    headers: the extension uses the stable ABI only, so any Python 3.8+ headers build it),
+    else this Python's own."""
+    return Path(os.environ.get("SM12X_PYTHON_INCLUDE") or sysconfig.get_paths()["include"])
 
 
 def _link_args(cuda_home: Path, libcuda: Path | None) -> list[str]:

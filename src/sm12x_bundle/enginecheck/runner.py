@@ -10,8 +10,6 @@ use is read again (NVML), to show that nothing the check started still holds any
 
 from __future__ import annotations
 
-import shutil
-import sysconfig
 import tempfile
 import time
 from collections.abc import Iterator
@@ -22,7 +20,6 @@ from pathlib import Path
 
 from .. import native
 from ..context import Context
-from ..errors import BundleError, EnvironmentProblem
 from ..fsutil import check_replaceable, claim
 from ..series.lane import Lane
 from ..source.pin import resolve_source
@@ -76,18 +73,7 @@ def preflight(ctx: Context, opts: Options) -> Preflight:
 
 def need_compiler() -> None:
     """The patched copy's extension is built here: g++, binutils, the CUDA and Python headers."""
-    missing = [tool for tool in ("g++", "readelf", "nm") if shutil.which(tool) is None]
-    if missing:
-        raise EnvironmentProblem(f"--compare builds the lane's cumem extension here, and {', '.join(missing)} "
-                                 "is not on PATH: install g++ and binutils")
-    try:
-        native.find_cuda_home()
-    except BundleError as exc:
-        raise EnvironmentProblem(f"--compare builds the lane's cumem extension here: {exc}") from None
-    python_h = Path(sysconfig.get_paths()["include"]) / "Python.h"
-    if not python_h.is_file():
-        raise EnvironmentProblem(f"--compare builds the lane's cumem extension here, and {python_h} is missing: "
-                                 "install this Python's development headers")
+    native.check_host_toolchain("engine-check --compare builds the lane's extension for the patched copy")
 
 
 @contextmanager
