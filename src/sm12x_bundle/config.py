@@ -243,22 +243,36 @@ MAX_DEPTH = 32
 
 
 def _compose(text: str, origin: str) -> _Node:
-    loader = _BoundedLoader(text, origin)
     try:
-        root = loader.get_single_node()
+        loader = _BoundedLoader(text, origin)  # its reader refuses a control character here
+        try:
+            root = loader.get_single_node()
+        finally:
+            loader.dispose()
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{origin}:{mark.line + 1}" if mark else origin
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"{where}: not valid YAML: {problem}") from None
-    finally:
-        loader.dispose()
+        raise ConfigError(f"{origin}:{_error_line(exc, text)}: not valid YAML: {_problem(exc)}") from None
     if root is None or root.tag.endswith(":null") or isinstance(root, yaml.MappingNode) and not root.value:
         raise ConfigError(
             f"{origin}:1: the file holds no settings (it is empty, only comments, or {{}}): a config file "
             "replaces the embedded default whole; write the settings, or leave the file out to use the default"
         )
     return _plain(root, origin)
+
+
+def _error_line(exc: yaml.YAMLError, text: str) -> int:
+    """The line a YAML error is on: its mark's, or (a reader error) its character position's."""
+    mark = getattr(exc, "problem_mark", None)
+    if mark is not None:
+        return mark.line + 1
+    position = getattr(exc, "position", None)
+    return text[:position].count("\n") + 1 if isinstance(position, int) else 1
+
+
+def _problem(exc: yaml.YAMLError) -> str:
+    if isinstance(exc, yaml.reader.ReaderError):
+        char = exc.character if isinstance(exc.character, int) else ord(exc.character)
+        return f"the character #x{char:04x} is not allowed in YAML (a control character or a NUL byte)"
+    return " ".join(str(getattr(exc, "problem", None) or exc).split())
 
 
 class _BoundedLoader(yaml.SafeLoader):

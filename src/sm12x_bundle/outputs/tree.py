@@ -20,10 +20,10 @@ def patched_files(series: Series, source: SourceTree, fuzz: int = 0) -> tuple[Ve
         if res.outcome is Outcome.CONFLICT:
             c = res.conflict
             assert c is not None
-            raise ApplyError(
-                f"patch {res.patch} does not apply to vLLM {source.version} ({source.origin}): "
-                f"{c.path} hunk #{c.hunk} at line {c.hunk_line}:\n  " + "\n  ".join(c.differs)
-            )
+            what = f"patch {res.patch} does not apply to vLLM {source.version} ({source.origin}): {c.path}"
+            if len(c.differs) == 1:  # nothing to show but one fact: say it in the sentence
+                raise ApplyError(f"{what}: {c.differs[0]}")
+            raise ApplyError(f"{what} hunk #{c.hunk} at line {c.hunk_line}:\n  " + "\n  ".join(c.differs))
     assert report.tree is not None
     return report, report.tree.changed()
 

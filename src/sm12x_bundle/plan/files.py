@@ -130,10 +130,12 @@ def apply_subseries(
 
 
 def _conflict(where: str, patch_id: str, c: Conflict, shown: Callable[[str], str]) -> ApplyError:
+    what = f"{where}: patch {patch_id} does not apply to {shown(c.path)}"
+    if len(c.differs) == 1:  # nothing to show but one fact (a file missing, or one in the way)
+        return ApplyError(f"{what}: {c.differs[0]}")
     return ApplyError(
-        f"{where}: patch {patch_id} does not apply to {shown(c.path)}: hunk #{c.hunk} (line {c.hunk_line}) "
-        "differs (fuzz 0; an overlay never swaps in a whole file from another vLLM version):\n  "
-        + "\n  ".join(c.differs)
+        f"{what}: hunk #{c.hunk} (line {c.hunk_line}) differs (fuzz 0; an overlay never swaps in a whole file "
+        "from another vLLM version):\n  " + "\n  ".join(c.differs)
     )
 
 

@@ -56,6 +56,8 @@ class HunkFailure(Exception):
         """What the hunk expects against the closest text in the file, as a small diff."""
         if not self.found:
             return ["(the file ends before the hunk's place)"]
+        if len(self.found) == 1 and self.found[0].startswith("<") and self.found[0].endswith(">"):
+            return [self.found[0][1:-1]]  # no text to compare: a file missing, or one in the way
         diff = difflib.unified_diff(
             self.expected, self.found, "expected (patch)", "found (tree)", n=1, lineterm=""
         )
