@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from sm12x_bundle import cli
+from sm12x_bundle.checks import report as checks_report
 
 CONFIG = "cfg.yaml"
 
@@ -390,10 +391,10 @@ def test_the_valid_base_passes_the_same_commands(workdir, capsys):
 @pytest.fixture
 def a_bug(monkeypatch, tmp_path):
     """``series`` fails the way a bug would; the trace goes to a folder of the test's own."""
-    def broken(ctx, args):
+    def broken(lanes):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(cli, "cmd_series", broken)
+    monkeypatch.setattr(checks_report, "series_table", broken)  # what `series` calls
     traces = tmp_path / "traces"
     traces.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(traces))
@@ -420,10 +421,10 @@ def test_sm12x_debug_prints_the_trace_instead(a_bug, capsys, monkeypatch):
 
 
 def test_a_bug_with_a_multi_line_message_is_still_one_line(a_bug, capsys, monkeypatch):
-    def broken(ctx, args):
+    def broken(lanes):
         raise ValueError("first line\n  second line")
 
-    monkeypatch.setattr(cli, "cmd_series", broken)
+    monkeypatch.setattr(checks_report, "series_table", broken)
     assert cli.main(["series", "-q"]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and "ValueError: first line second line at " in err
@@ -459,8 +460,9 @@ def test_a_bug_in_a_real_process_prints_no_traceback(workdir, tmp_path):
     traces.mkdir()
     program = (
         "import sys; from sm12x_bundle import cli\n"
-        "def broken(ctx, args): raise KeyError('boom')\n"
-        "cli.cmd_series = broken\n"
+        "from sm12x_bundle.checks import report\n"
+        "def broken(lanes): raise KeyError('boom')\n"
+        "report.series_table = broken\n"
         "sys.exit(cli.main(['series', '-q']))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "SM12X_DEBUG"} | {"TMPDIR": str(traces)}

@@ -35,6 +35,7 @@ from pathlib import Path
 import pytest
 
 from sm12x_bundle import cli, fsutil, native
+from sm12x_bundle.checks import report as checks_report
 from sm12x_bundle.errors import EnvironmentProblem, OutputError, environment_problem
 from sm12x_bundle.outputs import native_build
 
@@ -503,10 +504,10 @@ def test_the_host_toolchain_check_names_each_missing_part(tmp_path):
     (TypeError("unsupported operand"), 2, "a bug in sm12x-bundle: TypeError"),
 ], ids=["with-a-path", "disk-full-without-a-path", "oserror-bug", "typeerror-bug"])
 def test_a_stray_oserror_is_the_machines_but_a_bug_stays_a_bug(capsys, monkeypatch, tmp_path, error, code, fragment):
-    def failing(ctx, args):
+    def failing(lanes):
         raise error
 
-    monkeypatch.setattr(cli, "cmd_series", failing)
+    monkeypatch.setattr(checks_report, "series_table", failing)  # what `series` calls
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # where a bug's trace goes
     assert cli.main(["series", "-q"]) == code
     err = capsys.readouterr().err

@@ -21,7 +21,6 @@ import stat
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
 from .errors import EnvironmentProblem, OutputError, environment_problem, is_environment
 
@@ -326,17 +325,6 @@ def _mkdir(folder: Path, what: str) -> None:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise environment_problem(exc, f"create the {what} {folder}") from None
-
-
-def add_force_argument(parser: Any, help_text: str) -> None:
-    """``--force``, worded the same for every command that writes an output folder."""
-    parser.add_argument(
-        "--force",
-        action="store_true",
-        help=f"{help_text}; without it such a folder is refused (exit 11). '', '.', '~', '/', the "
-        "system's top-level folders (/etc, /usr, ...), the folders above the working directory or home, "
-        "mount points and folders that hold one are refused even with it",
-    )
 
 
 # --- replacing a folder whole -----------------------------------------------------------

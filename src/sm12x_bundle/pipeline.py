@@ -10,7 +10,6 @@ and where, without fetching or writing anything.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -190,41 +189,10 @@ def preflight(ctx: Context, steps: list[Step], force: bool = False) -> Path:
     return out
 
 
-def cmd_build(ctx: Context, args: argparse.Namespace) -> int:
-    steps = plan(ctx, args.image)
-    out = preflight(ctx, steps, args.force)
-    if args.dry_run:
-        for n, step in enumerate(steps, 1):
-            print(f"{n}. {step.name:<9} -> {step.destination}")
-            print("".join(f"     {line}\n" for line in step.details), end="")
-        return 0
-    verify = False if args.no_verify else None
-    run = Run(ctx, out, verify, args.force)
+def run_steps(ctx: Context, steps: list[Step], out: Path, verify: bool | None, force: bool) -> list[str]:
+    """Run the planned steps in order, saying each on stderr; return one summary line a step."""
+    run = Run(ctx, out, verify, force)
     for n, step in enumerate(steps, 1):
         ctx.progress.say(f"== [{n}/{len(steps)}] {step.name}")
         run.summary.append(f"{step.name:<9} {step.run(run)}")
-    print("\n".join(run.summary))
-    return 0
-
-
-def _build_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dry-run", action="store_true",
-                   help="check what build checks before its first step (the series, the output folders, a Docker "
-                   "daemon and images where a step needs them), print the steps and where each output goes; write "
-                   "nothing")
-    p.add_argument("--image", action="store_true", help="also build the bundle image (needs a Docker daemon)")
-    p.add_argument("--no-verify", action="store_true", help="do not verify overlays inside the target images")
-    fsutil.add_force_argument(p, "write the outputs even into folders that hold files this tool did not write")
-
-
-EXIT_CODES = {"build": {4: None, 5: None, 6: None, 7: None, 8: None, 9: None, 11: None}}
-
-COMMANDS = {
-    "build": (
-        "run the whole pipeline: pin, check, patched tree, overlays, Nomad specs (and the image)",
-        "example: sm12x-bundle build            # the embedded default, no Docker daemon needed\n"
-        "         sm12x-bundle build --image    # also the bundle image",
-        _build_args,
-        cmd_build,
-    ),
-}
+    return run.summary

@@ -14,7 +14,6 @@ api/resources.go, api/constraint.go) and the docker driver's task config spec
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import posixpath
@@ -24,11 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
-from .. import arguments
 from ..config import Config, JobConfig
-from ..context import Context
 from ..errors import ConfigError, VerifyError
-from ..fsutil import add_force_argument, refuse_protected, write_files
+from ..fsutil import write_files
 
 GROUP = "vllm"
 TASK = "vllm"
@@ -698,43 +695,3 @@ def write_jobs(files: Mapping[str, bytes], out: Path, force: bool = False) -> li
     """Write each rendered file atomically; return (path, changed) pairs. A file with
     other bytes in a folder this tool did not write is refused unless ``force``."""
     return write_files(out, files, force, "Nomad folder")
-
-
-def cmd_nomad(ctx: Context, args: argparse.Namespace) -> int:
-    config = ctx.config
-    if not config.jobs:
-        raise ConfigError(f"{config.origin}: no jobs to render: add a 'jobs:' list (example: the embedded default, shown by nomad/README.md)")
-    files = render_jobs(config, find_manifests(config, args.manifest or ()))
-    out = refuse_protected(args.out, "Nomad folder") if args.out is not None else Path(config.output.dir) / "nomad"
-    for path, changed in write_jobs(files, out, args.force):
-        print(f"{path}{'' if changed else ' (unchanged)'}")
-    print(
-        f"{len(config.jobs)} job(s): memory budget fits, HCL parsed back; "
-        "not submitted (no Nomad here: run 'nomad job validate' on a cluster). Nomad deploys each job on "
-        "its own: run one, wait until 'nomad job status JOB' shows its deployment successful, then the next"
-    )
-    return 0
-
-
-def _add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", metavar="DIR", help="where to write the specs (default: <output.dir>/nomad)")
-    p.add_argument(
-        "--manifest",
-        action="append",
-        type=arguments.existing_file,
-        metavar="FILE",
-        help="an overlay manifest to use instead of <output.overlays>/<target>/current.json (repeatable)",
-    )
-    add_force_argument(p, "overwrite files of the same name in DIR even if DIR is not marked as written by this tool")
-
-
-EXIT_CODES = {"nomad": {9: "the generated HCL does not parse back (a bug in sm12x-bundle)", 11: None}}
-
-COMMANDS = {
-    "nomad": (
-        "render Nomad job specs (HCL2 and API JSON) for the config's jobs",
-        "example: sm12x-bundle nomad --manifest nomad/example-manifest.json --out nomad",
-        _add_arguments,
-        cmd_nomad,
-    ),
-}

@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import arguments, fsutil
+from .. import fsutil
 from ..config import TargetConfig
-from ..errors import ConfigError
 from ..fsutil import replace_dir, write_file
 from ..plan.files import InstalledFile
 from ..plan.originals import connect
@@ -39,7 +38,6 @@ from ..plan.target import (
     checked_targets,
     plan_target,
     say_plan,
-    select_targets,
 )
 from ..progress import Progress
 from . import native_build
@@ -255,32 +253,7 @@ def write_overlays(
     return folders
 
 
-# --- the command ---------------------------------------------------------------------
-
-
-def add_arguments(p: Any) -> None:
-    p.add_argument("--target", action="append", type=arguments.folder_name, metavar="NAME",
-                   help="a config target (repeatable; default: all)")
-    p.add_argument("--image", type=arguments.image_ref, metavar="REF", help="an ad hoc target: this image, not in the config")
-    p.add_argument("--root", type=arguments.absolute_path, metavar="PATH",
-                   help="with --image: vLLM's package folder in it (default: ask the image)")
-    p.add_argument("--verify", action="store_true", help="check each overlay inside its image before keeping it")
-    p.add_argument("--manifest", type=arguments.existing_file, metavar="FILE",
-                   help="with --verify: check this existing overlay instead")
-    p.add_argument("--out", type=Path, metavar="DIR", help="where overlays go (default: output.overlays, 'overlays')")
-    fsutil.add_force_argument(p, "write DIR/<target> even if it holds files this tool did not write")
-    p.set_defaults(check_args=_check_args)
-
-
-def _check_args(args: Any) -> str | None:
-    """Options that depend on each other, refused while parsing (exit 2)."""
-    if args.root and not args.image:
-        return "--root needs --image (a config target says its root in the config)"
-    if args.image and args.target:
-        return "give either --target NAME or --image REF, not both"
-    if args.manifest is not None and not args.verify:
-        return "--manifest is for --verify: it checks an existing overlay"
-    return None
+# --- make and write: what `overlay` and `build` both run ----------------------------------
 
 
 def make_overlays(ctx: Any, targets: Sequence[TargetConfig], engine: Any | None, need_image: bool) -> list[Overlay]:
@@ -304,13 +277,13 @@ def make_and_write(
     True: a daemon and every target's image are required. A target that is not pinned
     needs a daemon either way (EngineError). Nothing is written when anything fails.
     """
-    written, reports = _make_and_write(ctx, targets, verify, out, force)
+    written, reports = make_and_write_reports(ctx, targets, verify, out, force)
     for report in reports:
-        _say_verified(ctx.progress, report)
+        say_verified(ctx.progress, report)
     return written
 
 
-def _make_and_write(
+def make_and_write_reports(
     ctx: Any, targets: Sequence[TargetConfig] | None, verify: bool | None, out: Path | None, force: bool = False
 ) -> tuple[list[tuple[Overlay, Path]], list[Verified]]:
     targets = checked_targets(ctx.config, list(ctx.config.targets) if targets is None else targets)
@@ -330,56 +303,8 @@ def _make_and_write(
     return list(zip(overlays, folders)), reports
 
 
-def run(ctx: Any, args: Any) -> int:
-    if args.manifest is not None:
-        return _verify_existing(ctx, args)
-    targets = select_targets(ctx.config, args.target, args.image, args.root)
-    written, reports = _make_and_write(ctx, targets, args.verify, args.out, args.force)
-    for overlay, folder in written:
-        origin = f"image {overlay.image}" if overlay.image_id else f"the pinned vLLM {overlay.versions['vllm']} tree"
-        print(f"{overlay.target}: {folder} ({len(overlay.files)} files, lane {overlay.pin['version']}, from {origin})")
-    for report in reports:
-        _print_verified(ctx.progress, report)
-    return 0
-
-
-def _say_verified(progress: Progress, report: Verified) -> None:
+def say_verified(progress: Progress, report: Verified) -> None:
     for line in report.ok:
         progress.say(f"verify {report.image}: ok: {line}")
     for note in report.notes:
         progress.say(f"verify {report.image}: note: {note}")
-
-
-def _verify_existing(ctx: Any, args: Any) -> int:
-    if not args.verify:
-        raise ConfigError("--manifest is for --verify: it checks an existing overlay")
-    engine = connect(True, ctx.progress)
-    report = verify_overlay(engine, args.manifest, args.image)
-    _print_verified(ctx.progress, report)
-    return 0
-
-
-def _print_verified(progress: Progress, report: Verified) -> None:
-    _say_verified(progress, report)
-    print(f"verified in {report.image}: {len(report.ok)} checks passed, {len(report.notes)} notes")
-
-
-EXIT_CODES = {
-    "overlay": {
-        4: None,
-        5: "could not run: the patch series is malformed or unsafe, or no lane is for the vLLM release "
-        "an image carries (the message names the lanes)",
-        6: None, 7: None, 8: None, 9: None, 11: None,
-    }
-}
-
-COMMANDS = {
-    "overlay": (
-        "per-file overlays: the image's own files, patched, to bind-mount read-only",
-        "example: sm12x-bundle overlay --verify --target vllm-openai-v0.21.0\n"
-        "         sm12x-bundle overlay --image glm:nvfp4 --root /opt/vllm/vllm\n"
-        "         sm12x-bundle overlay --verify --manifest overlays/vllm-openai-v0.21.0/current.json",
-        add_arguments,
-        run,
-    ),
-}

@@ -41,14 +41,23 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
 # --- which targets -------------------------------------------------------------------
 
 
+def target_options_problem(names: Sequence[str] | None, image: str | None, root: str | None) -> str | None:
+    """Why --target, --image and --root do not go together, or None (the command line refuses
+    it while parsing, exit 2; select_targets, for a library caller, with ConfigError)."""
+    if root and not image:
+        return "--root needs --image (a config target says its root in the config)"
+    if image and names:
+        return "give either --target NAME or --image REF, not both"
+    return None
+
+
 def select_targets(
     config: Config, names: Sequence[str] | None, image: str | None, root: str | None
 ) -> list[TargetConfig]:
-    if root and not image:
-        raise ConfigError("--root needs --image (a config target says its root in the config)")
+    problem = target_options_problem(names, image, root)
+    if problem:
+        raise ConfigError(problem)
     if image:
-        if names:
-            raise ConfigError("give either --target NAME or --image REF, not both")
         targets = [TargetConfig(name=target_name_for(image), image=image, root=root)]
     elif names:
         targets = [config.target(n) for n in dict.fromkeys(names)]

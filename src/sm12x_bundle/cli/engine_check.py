@@ -1,14 +1,15 @@
-"""``sm12x-bundle engine-check``: the command line (registered in cli.PLUGINS)."""
+"""``sm12x-bundle engine-check``: vLLM's own engine on this GPU (enginecheck/ runs it)."""
 
 from __future__ import annotations
 
 import argparse
 
-from .. import arguments
 from ..context import Context
+from ..enginecheck import plan, report, runner, table
 from ..errors import ConfigError
 from ..fsutil import write_file
-from . import plan, report, runner, table
+from . import arguments
+from .command import Command
 
 HELP = "run vLLM's own engine on this GPU: sleep/wake, level 2, rotation, failures, pristine against patched"
 EPILOG = """\
@@ -57,22 +58,20 @@ examples:
   sm12x-bundle engine-check --installed --quick                  # a rollout gate
   sm12x-bundle engine-check --installed --scenario c --model-gib 8 --swaps 8"""
 
-EXIT_CODES = {
-    "engine-check": {
-        0: "every scenario passes and every target holds on the vLLM under test (--compare: on the patched "
-        "copy, and it is never worse than pristine)",
-        3: "could not run: the vLLM under test is not a lane's release (or --lane names another), "
-        "--vllm-path holds no vllm package, or the engines do not fit the GPU's free memory or the host's",
-        4: "--compare: the lane's pinned sdist could not be fetched, or --sdist does not match its sha256",
-        5: None,
-        6: "--compare: the lane's series does not apply to the install's own files",
-        7: "--compare: the cumem extension did not build, or the ceilings process failed",
-        9: "the check ran and something did not hold: a scenario did not pass or a target was missed on the "
-        "vLLM under test (or patched is worse than pristine)",
-        11: "--work names a folder that holds files this tool did not write",
-        12: "this machine stands in the way: no NVIDIA driver or GPU (NVML), no vLLM importable in this Python, "
-        "or (--compare) no g++, binutils, CUDA or Python headers",
-    }
+EXIT_CODES: dict[int, str | None] = {
+    0: "every scenario passes and every target holds on the vLLM under test (--compare: on the patched "
+    "copy, and it is never worse than pristine)",
+    3: "could not run: the vLLM under test is not a lane's release (or --lane names another), "
+    "--vllm-path holds no vllm package, or the engines do not fit the GPU's free memory or the host's",
+    4: "--compare: the lane's pinned sdist could not be fetched, or --sdist does not match its sha256",
+    5: None,
+    6: "--compare: the lane's series does not apply to the install's own files",
+    7: "--compare: the cumem extension did not build, or the ceilings process failed",
+    9: "the check ran and something did not hold: a scenario did not pass or a target was missed on the "
+    "vLLM under test (or patched is worse than pristine)",
+    11: "--work names a folder that holds files this tool did not write",
+    12: "this machine stands in the way: no NVIDIA driver or GPU (NVML), no vLLM importable in this Python, "
+    "or (--compare) no g++, binutils, CUDA or Python headers",
 }
 
 
@@ -137,4 +136,4 @@ def run(ctx: Context, args: argparse.Namespace) -> int:
     return report.exit_code(rep)
 
 
-COMMANDS = {"engine-check": (HELP, EPILOG, add_arguments, run)}
+ENGINE_CHECK = Command("engine-check", HELP, EPILOG, add_arguments, run, EXIT_CODES)

@@ -16,8 +16,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from . import config, fsutil
-from .errors import EnvironmentProblem
+from .. import config, fsutil
+from ..errors import EnvironmentProblem
 
 
 def _from(problem: Callable[[str], str | None]) -> Callable[[str], str]:
