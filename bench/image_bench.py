@@ -29,7 +29,7 @@ import docker_support  # noqa: E402  (tests/ holds the stand-in builder)
 
 from sm12x_bundle import config as config_mod  # noqa: E402
 from sm12x_bundle.context import Context  # noqa: E402
-from sm12x_bundle.engine import DockerEngine, docker_engine  # noqa: E402
+from sm12x_bundle.containers import DockerEngine, docker_engine  # noqa: E402
 from sm12x_bundle.outputs import image  # noqa: E402
 from sm12x_bundle.progress import Progress  # noqa: E402
 

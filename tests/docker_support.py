@@ -46,7 +46,7 @@ from pathlib import Path
 import pytest
 
 from sm12x_bundle import cmd
-from sm12x_bundle.engine import OFFICIAL_VLLM_ROOT, DockerEngine, docker_engine
+from sm12x_bundle.containers import OFFICIAL_VLLM_ROOT, DockerEngine, docker_engine
 from sm12x_bundle.errors import EngineError
 from sm12x_bundle.progress import Progress
 from sm12x_bundle.source.cache import cache_dir, locked

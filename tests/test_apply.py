@@ -201,7 +201,7 @@ def test_a_fifo_in_the_tree_where_a_patch_writes_is_a_conflict(tmp_path):
 
 def test_an_overlay_refuses_a_file_under_an_image_file(tmp_path):
     """The overlay path patches an image's own copies the same way: a conflict naming the image."""
-    from sm12x_bundle.engine import ImageFile
+    from sm12x_bundle.containers import ImageFile
     from sm12x_bundle.plan.files import patch_image_files
 
     series = load_series(write_series(tmp_path, {

@@ -14,7 +14,7 @@ import pytest
 
 from patchkit import make_patch, write_series
 from sm12x_bundle import config as config_mod
-from sm12x_bundle import engine as engine_mod
+from sm12x_bundle import containers as engine_mod
 from sm12x_bundle.cli import main
 from sm12x_bundle.errors import EngineError
 

@@ -32,7 +32,7 @@ from sm12x_bundle import config as config_mod
 from sm12x_bundle.cli import main
 from sm12x_bundle.config import TargetConfig
 from sm12x_bundle.context import Context
-from sm12x_bundle.engine import OFFICIAL_VLLM_ROOT, ImageFile
+from sm12x_bundle.containers import OFFICIAL_VLLM_ROOT, ImageFile
 from sm12x_bundle.errors import (
     ApplyError,
     CommandError,

@@ -1,7 +1,7 @@
 """Overlays without a daemon: the plan, patching an image's own files, the manifest, atomic
 writes and the in-image check, against a fake engine (images are dicts of files).
 
-The fake engine answers the same questions a real image would (engine.py's root and
+The fake engine answers the same questions a real image would (containers.py's root and
 version probes, read_files) and runs the verify script on this machine's Python with
 each mount's source in place of the container path, so the script itself is exercised.
 The integration tests build the default target's overlay from the real vLLM 0.21.0 tree,
@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 from patchkit import make_patch, write_series
 
-from sm12x_bundle import engine as engine_mod
+from sm12x_bundle import containers as engine_mod
 from sm12x_bundle.cli import main
 from sm12x_bundle.config import TargetConfig, parse
-from sm12x_bundle.engine import ImageFile
+from sm12x_bundle.containers import ImageFile
 from sm12x_bundle.errors import (
     ApplyError,
     ConfigError,
@@ -114,7 +114,7 @@ class FakeEngine:
         raise AssertionError(f"unexpected command {argv}")
 
     def _probe(self, image: FakeImage, root: str, wanted: list[str]) -> dict:
-        """What engine.py's probe prints, from the fake image's files."""
+        """What containers.py's probe prints, from the fake image's files."""
         found = sorted(p[: -len("/__init__.py")] for p in image.files if p.endswith("/vllm/__init__.py"))
         root = root or image.python_root or (found[0] if len(found) == 1 else "")
         versions = {d: image.dists.get(d) for d in engine_mod.VERSION_KEYS}

@@ -27,7 +27,7 @@ from docker_support import (  # noqa: F401  (fixtures)
 
 from sm12x_bundle.cli import main
 from sm12x_bundle.config import TargetConfig
-from sm12x_bundle.engine import OFFICIAL_VLLM_ROOT
+from sm12x_bundle.containers import OFFICIAL_VLLM_ROOT
 from sm12x_bundle.errors import EngineError, SeriesError, VerifyError
 from sm12x_bundle.outputs import overlay
 from sm12x_bundle.plan import originals as plan_originals

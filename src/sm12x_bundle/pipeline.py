@@ -107,7 +107,7 @@ def _nomad(run: Run) -> str:
 
 
 def _image(run: Run) -> str:
-    from .engine import docker_engine
+    from .containers import docker_engine
     from .outputs import image
 
     engine = docker_engine()

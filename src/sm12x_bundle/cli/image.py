@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..config import ImageConfig
 from ..context import Context
-from ..engine import docker_engine
+from ..containers import docker_engine
 from ..outputs.dockerfile import PIN_REPOSITORY
 from ..outputs.image import build_bundle, bundle_context, listing, plan_from_base
 from ..outputs.native_build import builder_context

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import TargetConfig
-from ..engine import ImageFile
+from ..containers import ImageFile
 from ..fsutil import replace_dir
 from ..outputs.native_build import build_native
 from ..plan.files import VERSION_KEYS

@@ -31,7 +31,7 @@ from typing import Any
 from .. import fsutil, native
 from ..config import ImageConfig, TargetConfig
 from ..context import Context
-from ..engine import OFFICIAL_VLLM_ROOT, Engine
+from ..containers import OFFICIAL_VLLM_ROOT, Engine
 from ..errors import ConfigError, VerifyError
 from ..plan.files import InstalledFile, read_or_none, sha256_of
 from ..plan.native import NativePlan

@@ -268,7 +268,7 @@ def check_host_copies(folder: Path, manifest: dict[str, Any]) -> None:
 
 def verify_plan(folder: Path, manifest: dict[str, Any], tmp: Path) -> tuple[list[Any], dict[str, Any]]:
     """The mounts and the in-container script's input for one overlay."""
-    from ..engine import Mount
+    from ..containers import Mount
 
     mounts = [Mount((folder / f["source"]).resolve(), f["container_path"]) for f in manifest["files"]]
     spec = verify_spec(manifest, libdir=_LIBDIR)

@@ -21,8 +21,8 @@ from typing import Any
 
 from .. import native
 from ..checks.check import Conflict, Outcome, classify
-from ..engine import VERSION_KEYS as _PROBED
-from ..engine import ImageFile
+from ..containers import VERSION_KEYS as _PROBED
+from ..containers import ImageFile
 from ..errors import ApplyError, ConfigError, SeriesError
 from ..series.apply import VirtualTree
 from ..series.patch import Series

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import engine as engines
+from .. import containers as engines
 from ..config import TargetConfig
-from ..engine import ImageFile, probe_vllm
+from ..containers import ImageFile, probe_vllm
 from ..errors import ConfigError, EngineError
 from ..fsutil import write_file
 from ..progress import Progress

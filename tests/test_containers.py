@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from docker_support import daemon, standin_base, standin_novllm, standin_official, standin_opt  # noqa: F401
 
-from sm12x_bundle import engine as engine_mod
-from sm12x_bundle.engine import OFFICIAL_VLLM_ROOT, DockerEngine, Mount, docker_engine, probe_vllm
+from sm12x_bundle import containers as engine_mod
+from sm12x_bundle.containers import OFFICIAL_VLLM_ROOT, DockerEngine, Mount, docker_engine, probe_vllm
 from sm12x_bundle.errors import CommandError, EngineError
 from sm12x_bundle.progress import Progress
 
