@@ -41,7 +41,7 @@ from sm12x_bundle.errors import (
     SeriesError,
     VerifyError,
 )
-from sm12x_bundle.cli import image as cli_image
+from sm12x_bundle import containers as containers_mod
 from sm12x_bundle.outputs import dockerfile, image, manifest, native_build, verify
 from sm12x_bundle.outputs.tree import patched_files
 from sm12x_bundle.plan import files as plan_files
@@ -474,7 +474,7 @@ def test_write_context_is_atomic_with_fixed_mtimes(ctx, tmp_path):
 
 
 def test_dry_run_needs_no_daemon(ctx, monkeypatch, capsys):
-    monkeypatch.setattr(cli_image, "docker_engine", lambda: pytest.fail("a dry run asked for the daemon"))
+    monkeypatch.setattr(containers_mod, "docker_engine", lambda: pytest.fail("a dry run asked for the daemon"))
     monkeypatch.chdir(ctx.config.base_dir)
     assert main(["image", "--dry-run", "-q", "--config", _config_file(ctx)]) == 0
     out = capsys.readouterr().out

@@ -19,7 +19,8 @@ import re
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import EnvironmentProblem, OutputError, environment_problem, is_environment
@@ -297,6 +298,49 @@ def _holds(path: Path, data: bytes | None) -> bool:
         return data is not None and path.is_file() and not path.is_symlink() and path.read_bytes() == data
     except OSError:
         return False
+
+
+def check_into(folder: Path, force: bool, what: str, written_before: Callable[[Path], bool]) -> None:
+    """A folder the tool writes folders of its own into (an overlay target's): like
+    check_replaceable, but a folder holding only what an earlier version of this tool wrote
+    there before it marked its folders (``written_before``) is taken as ours."""
+    if not force and folder.is_dir() and not is_ours(folder) and written_before(folder):
+        return
+    check_replaceable(folder, force, what)
+
+
+@dataclass(frozen=True)
+class Destination:
+    """A path an output writes, and how, so that it is refused before anything runs.
+
+    ``replace``: a folder replaced whole (the patched tree, an overlay version, a build
+    context); ``into``: a folder written into, folder by folder (an overlay target's);
+    ``files``: single files written into a folder never replaced whole (the Nomad specs).
+    ``files`` names the single files (for ``into``, those it writes beside its folders)."""
+
+    path: Path
+    how: str
+    what: str
+    files: tuple[str, ...] = ()
+    written_before: Callable[[Path], bool] | None = field(default=None, compare=False)
+
+    def check(self, force: bool = False) -> None:
+        if self.how == "replace":
+            check_replaceable(self.path, force, self.what)
+        elif self.how == "files":
+            check_files(self.path, dict.fromkeys(self.files), force, self.what)
+        elif self.how == "into":
+            check_into(self.path, force, self.what, self.written_before or (lambda _folder: False))
+            for name in self.files:  # its own files beside the folders: never a device, FIFO or socket
+                refuse_special_file(self.path / name, f"file of the {self.what}")
+        else:
+            raise ValueError(f"unknown destination kind {self.how!r}")
+
+
+def check_destinations(destinations: Iterable[Destination], force: bool = False) -> None:
+    """Refuse, before anything is read, built or written, any destination this run may not write."""
+    for destination in destinations:
+        destination.check(force)
 
 
 def mark(folder: Path) -> None:

@@ -14,11 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import fsutil
-from .outputs import native_build
+from . import containers, fsutil
 from .checks.check import Outcome, VersionReport, check_tree
 from .context import Context
 from .errors import ApplyError, EngineError
+from .outputs import image, native_build, nomad, overlay, tree
+from .outputs.tree import tree_folder, write_tree
+from .plan.originals import connect, pinned_root
 from .progress import Progress
 from .series.lane import Lane
 from .source.pin import SourceTree
@@ -43,6 +45,7 @@ class Step:
     destination: str
     run: Callable[[Run], str]
     details: tuple[str, ...] = ()  # what --dry-run prints under the step, one line each
+    destinations: tuple[fsutil.Destination, ...] = ()  # what it writes, refused before the first step if it may not
 
 
 def _pin(run: Run) -> str:
@@ -70,14 +73,8 @@ def _check(run: Run) -> str:
     )
 
 
-def tree_folder(out: Path, version: str) -> Path:
-    return out / f"vllm-{version}-sm12x"
-
-
 def _tree(lane: Lane) -> Callable[[Run], str]:
     def write(run: Run) -> str:
-        from .outputs.tree import write_tree
-
         dest = tree_folder(run.out, lane.version)
         write_tree(lane.series, run.sources[lane.version], dest, run.ctx.config.check.fuzz, run.force)
         return f"patched tree in {dest} ({len(lane.series.paths)} files changed or added)"
@@ -86,8 +83,6 @@ def _tree(lane: Lane) -> Callable[[Run], str]:
 
 
 def _overlays(run: Run) -> str:
-    from .outputs import overlay
-
     written = overlay.make_and_write(run.ctx, verify=run.verify, force=run.force)
     lines = [f"{ov.target}: {folder} ({len(ov.files)} files, lane {ov.pin['version']})" for ov, folder in written]
     checked = "verified in the target images" if any(ov.image_id for ov, _ in written) else (
@@ -97,8 +92,6 @@ def _overlays(run: Run) -> str:
 
 
 def _nomad(run: Run) -> str:
-    from .outputs import nomad
-
     config = run.ctx.config
     files = nomad.render_jobs(config, nomad.find_manifests(config))
     dest = run.out / "nomad"
@@ -107,10 +100,7 @@ def _nomad(run: Run) -> str:
 
 
 def _image(run: Run) -> str:
-    from .containers import docker_engine
-    from .outputs import image
-
-    engine = docker_engine()
+    engine = containers.docker_engine()  # looked up at call time: tests put a fake engine there
     engine.ping()
     cfg = run.ctx.config.image
     result = image.build_bundle(run.ctx, cfg, engine, run.out / "image", push=cfg.push, force=run.force)
@@ -118,40 +108,32 @@ def _image(run: Run) -> str:
 
 
 def plan(ctx: Context, build_image: bool = False) -> list[Step]:
-    """The steps ``build`` will run for this config, in order (reads only the series files)."""
+    """The steps ``build`` will run for this config, in order, each with what it writes
+    (reads only the series files)."""
     config = ctx.config
-    out = config.output.dir
+    out = Path(config.output.dir)
     steps = [Step("pin", "the cache", _pin), Step("check", "-", _check)]
-    steps += [Step("tree", str(tree_folder(Path(out), lane.version)), _tree(lane)) for lane in ctx.lanes]
+    for lane in ctx.lanes:
+        [dest] = tree.destinations(out, [lane.version])
+        steps.append(Step("tree", str(dest.path), _tree(lane), destinations=(dest,)))
     if config.targets:
-        from .outputs.overlay import planned_overlays
-
-        steps.append(Step("overlays", f"{config.output.overlays}/", _overlays, tuple(planned_overlays(config))))
+        where = Path(config.output.overlays)
+        steps.append(Step("overlays", f"{where}/", _overlays, tuple(overlay.planned_overlays(config)),
+                          tuple(overlay.destinations(where, config.targets))))
     if config.jobs:
-        steps.append(Step("nomad", f"{out}/nomad/", _nomad))
+        steps.append(Step("nomad", f"{out}/nomad/", _nomad, destinations=tuple(nomad.destinations(out / "nomad", config.jobs))))
     if build_image or config.image.build:
-        steps.append(Step("image", config.image.tag, _image))
+        steps.append(Step("image", config.image.tag, _image, destinations=tuple(image.destinations(out / "image"))))
     return steps
 
 
 def check_outputs(ctx: Context, steps: list[Step], force: bool = False) -> Path:
-    """Refuse, before the pin is fetched, every output folder the steps would replace or
-    write into that this tool did not write (OutputError); return output.dir."""
-    from .outputs import overlay
-
-    config, names = ctx.config, {s.name for s in steps}
-    out = fsutil.refuse_protected(config.output.dir, "output.dir folder")
-    if "tree" in names:
-        for lane in config.lanes:
-            fsutil.check_replaceable(tree_folder(out, lane.version), force)
-    if "overlays" in names:
-        overlay.check_targets_output(overlay.overlays_root(ctx, None), config.targets, force)
-    if "nomad" in names:
-        specs = {f"{job.name}.nomad.{ext}": None for job in config.jobs for ext in ("hcl", "json")}
-        fsutil.check_files(out / "nomad", specs, force, "Nomad folder")
-    if "image" in names:
-        for sub in ("builder", "bundle"):
-            fsutil.check_replaceable(out / "image" / sub, force, "image build context folder")
+    """Refuse, before the pin is fetched, every output the steps would replace or write into
+    that this tool did not write (OutputError): each step says what it writes; return output.dir."""
+    out = fsutil.refuse_protected(ctx.config.output.dir, "output.dir folder")
+    if any(s.name == "overlays" for s in steps):
+        fsutil.refuse_protected(ctx.config.output.overlays, "overlays folder")
+    fsutil.check_destinations((d for s in steps for d in s.destinations), force)
     return out
 
 
@@ -159,8 +141,6 @@ def check_daemon(ctx: Context, steps: list[Step]) -> None:
     """Refuse, as the step itself would and in its words, a build whose overlays or image
     need a Docker daemon that does not answer or an image it does not hold (EngineError),
     and a pinned target without root whose pinned tree must stand in (ConfigError)."""
-    from .plan.originals import connect, pinned_root
-
     names = {s.name for s in steps}
     targets = ctx.config.targets if "overlays" in names else ()
     if "image" not in names and all(t.pinned and t.root for t in targets):

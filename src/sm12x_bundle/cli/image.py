@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..config import ImageConfig
 from ..context import Context
-from ..containers import docker_engine
+from .. import containers
 from ..outputs.dockerfile import PIN_REPOSITORY
 from ..outputs.image import build_bundle, bundle_context, listing, plan_from_base
 from ..outputs.native_build import builder_context
@@ -52,7 +52,7 @@ def run(ctx: Context, args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path(ctx.config.output.dir) / "image"
     if args.dry_run:
         return _dry_run(ctx, cfg, out)
-    result = build_bundle(ctx, cfg, docker_engine(), out, push=args.push or cfg.push, force=args.force)
+    result = build_bundle(ctx, cfg, containers.docker_engine(), out, push=args.push or cfg.push, force=args.force)
     imports = (
         f"imported {len(result.imported)}"
         if result.plan.side.import_error is None

@@ -345,11 +345,15 @@ def plan_from_base(ctx: Context, cfg: ImageConfig, engine: Engine | None) -> Bun
     return plan_bundle(cfg, target, source, base)
 
 
+def destinations(out: Path) -> list[fsutil.Destination]:
+    """The two build contexts, each replaced whole."""
+    return [fsutil.Destination(out / sub, "replace", "image build context folder") for sub in ("builder", "bundle")]
+
+
 def check_output(out: Path, force: bool = False) -> None:
     """Refuse, before anything is read or built, build context folders this tool did not write."""
     fsutil.refuse_protected(out, "image build context folder")
-    for sub in ("builder", "bundle"):
-        fsutil.check_replaceable(out / sub, force, "image build context folder")
+    fsutil.check_destinations(destinations(out), force)
 
 
 def build_bundle(

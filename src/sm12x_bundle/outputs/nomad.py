@@ -25,7 +25,7 @@ from urllib.parse import quote
 
 from ..config import Config, JobConfig
 from ..errors import ConfigError, VerifyError
-from ..fsutil import write_files
+from ..fsutil import Destination, write_files
 
 GROUP = "vllm"
 TASK = "vllm"
@@ -676,8 +676,9 @@ def render_jobs(config: Config, manifests: Mapping[str, Mapping]) -> dict[str, b
                 "run 'sm12x-bundle overlay' first"
             )
         spec = plan_job(config, job, manifests[job.target])
-        files[f"{job.name}.nomad.hcl"] = _parsed_back(f"{job.name}.nomad.hcl", hcl_text(spec)).encode()
-        files[f"{job.name}.nomad.json"] = api_json_text(spec).encode()
+        hcl, api = spec_names([job])
+        files[hcl] = _parsed_back(hcl, hcl_text(spec)).encode()
+        files[api] = api_json_text(spec).encode()
     return dict(sorted(files.items()))
 
 
@@ -689,6 +690,16 @@ def _parsed_back(name: str, text: str) -> str:
     except Exception as exc:  # lark raises several types; any of them is our bug
         raise VerifyError(f"{name}: the generated HCL does not parse back: {exc}") from None
     return text
+
+
+def spec_names(jobs: Iterable[JobConfig]) -> tuple[str, ...]:
+    """The file names ``render_jobs`` gives the jobs' specs."""
+    return tuple(f"{job.name}.nomad.{ext}" for job in jobs for ext in ("hcl", "json"))
+
+
+def destinations(out: Path, jobs: Iterable[JobConfig]) -> list[Destination]:
+    """The spec files, written into a folder that is never replaced whole."""
+    return [Destination(out, "files", "Nomad folder", spec_names(jobs))]
 
 
 def write_jobs(files: Mapping[str, bytes], out: Path, force: bool = False) -> list[tuple[Path, bool]]:

@@ -158,12 +158,15 @@ def is_written(folder: Path, overlay: Overlay) -> bool:
 Verifier = Callable[[Overlay, Path], None]
 
 
-def check_target_folder(folder: Path, force: bool = False) -> None:
-    """``<out>/<target>`` must be absent, empty or ours (marked, or an overlay folder
-    written before folders were marked), unless ``force``: it is written into."""
-    if not force and folder.is_dir() and not fsutil.is_ours(folder) and _previous_overlays(folder):
-        return
-    fsutil.check_replaceable(folder, force, "overlay folder")
+def destinations(out: Path, targets: Sequence[TargetConfig]) -> list[fsutil.Destination]:
+    """Each target's folder under ``out``, written into (a version folder of its own, and
+    current.json): absent, empty or ours (marked, or holding only what this tool wrote before
+    it marked its folders), unless --force."""
+    return [_target_folder(out, t.name) for t in targets]
+
+
+def _target_folder(out: Path, target: str) -> fsutil.Destination:
+    return fsutil.Destination(out / target, "into", "overlay folder", ("current.json",), _previous_overlays)
 
 
 def _previous_overlays(folder: Path) -> bool:
@@ -184,12 +187,10 @@ def _holds_files(folder: Path) -> bool:
 def check_output(overlays: Sequence[Overlay], out: Path, force: bool = False) -> None:
     """Refuse, before anything is written, any folder the overlays would replace or write into."""
     fsutil.refuse_protected(out, "overlays folder")
-    fsutil.check_parent(out / "x", "overlays folder")
-    for overlay in overlays:
-        check_target_folder(out / overlay.target, force)
-        fsutil.refuse_special_file(out / overlay.target / "current.json", "overlay's current.json")
-        if not is_written(overlay_folder(out, overlay), overlay):
-            fsutil.check_replaceable(overlay_folder(out, overlay), force, "overlay folder")
+    targets = [_target_folder(out, o.target) for o in overlays]
+    versions = [fsutil.Destination(overlay_folder(out, o), "replace", "overlay folder")
+                for o in overlays if not is_written(overlay_folder(out, o), o)]
+    fsutil.check_destinations(targets + versions, force)
 
 
 def overlays_root(ctx: Any, out: Path | None) -> Path:
@@ -211,14 +212,6 @@ def planned_overlays(config: Any) -> list[str]:
             how = f"image {t.image}: the lane of its vLLM version ({', '.join(lanes)}); needs a daemon"
         lines.append(f"{folder}  {how}")
     return lines
-
-
-def check_targets_output(out: Path, targets: Sequence[TargetConfig], force: bool = False) -> None:
-    """What can be checked before the overlays are made: the root and each target's folder."""
-    fsutil.check_parent(out / "x", "overlays folder")
-    for t in targets:
-        check_target_folder(out / t.name, force)
-        fsutil.refuse_special_file(out / t.name / "current.json", "overlay's current.json")
 
 
 def write_overlays(
@@ -288,7 +281,7 @@ def make_and_write_reports(
 ) -> tuple[list[tuple[Overlay, Path]], list[Verified]]:
     targets = checked_targets(ctx.config, list(ctx.config.targets) if targets is None else targets)
     out = overlays_root(ctx, out)
-    check_targets_output(out, targets, force)  # before any image is read or anything built
+    fsutil.check_destinations(destinations(out, targets), force)  # before any image is read or anything built
     engine = connect(bool(verify) or any(not t.pinned for t in targets), ctx.progress)
     native_build.preflight(ctx, targets, engine)  # before anything is fetched
     overlays = make_overlays(ctx, targets, engine, bool(verify))

@@ -7,10 +7,20 @@ from pathlib import Path
 
 from ..checks.check import Outcome, VersionReport, check_tree
 from ..errors import ApplyError
-from ..fsutil import check_replaceable, copy_tree, replace_dir
+from ..fsutil import Destination, check_replaceable, copy_tree, replace_dir
 from ..series.apply import FileText
 from ..series.patch import Series
 from ..source.pin import SourceTree
+
+
+def tree_folder(out: Path, version: str) -> Path:
+    """Where ``build`` writes a lane's patched tree under output.dir."""
+    return out / f"vllm-{version}-sm12x"
+
+
+def destinations(out: Path, versions: list[str]) -> list[Destination]:
+    """The folders the lanes' trees replace whole under output.dir."""
+    return [Destination(tree_folder(out, v), "replace", "output folder") for v in versions]
 
 
 def patched_files(series: Series, source: SourceTree, fuzz: int = 0) -> tuple[VersionReport, dict[str, FileText | None]]:
