@@ -111,61 +111,77 @@ def pool_bytes(alloc) -> int | None:
 
 
 def first_sleep(torch, cumem, p: dict) -> dict:
-
     piece = weight_piece(p["speed_chunk"])
     weights = p["speed_bytes"] // piece * piece
-    kv = weights // 2 // piece * piece
     reps = p.get("speed_reps", 3)
-    target, ram_target = p.get("first_sleep_target", 0.8), p.get("host_ratio_target", 1.01)
-    e = Engine(torch, cumem, weights, kv, piece, seed=6 << 50)
+    e = Engine(torch, cumem, weights, weights // 2 // piece * piece, piece, seed=6 << 50)
     torch.empty(1, device="cuda")
     before, rss_before = host_used(), rss()
-    load_s = e.load()
-    wait_s = e.pool_wait()  # the engine's start-up (profiling, graph capture) runs meanwhile
-    first = e.sleep()
-    held, held_rss = host_used() - before, rss() - rss_before
+    f = {"weights_bytes": weights, "kv_bytes": e.kv, "piece_bytes": piece, "load_s": e.load(),
+         "pool_wait_s": e.pool_wait()}  # the engine's start-up (profiling, graph capture) runs meanwhile
+    f["first_sleep_s"] = e.sleep()
+    f["host_bytes_after_first_sleep"], f["rss_bytes_after_first_sleep"] = host_used() - before, rss() - rss_before
+    f.update(_cycles_with_kv_writes(e, reps))
+    time.sleep(0.5)  # driver work on the new memory that ran after the writes would show now
+    if not e.intact():
+        return outcome("fail", "the weights did not round-trip through sleep and wake")
+    if not e.kv_holds(reps + 2):
+        return outcome("fail", "the KV cache lost the writes made into it right after the wake")
+    f.update(_first_sleep_figures(f, *_engine_ceilings(torch, e, reps), pool_bytes(e.alloc), pool_pin_s(e.alloc)))
+    return _first_sleep_judged(f, p.get("first_sleep_target", 0.8), p.get("host_ratio_target", 1.01))
+
+
+def _cycles_with_kv_writes(e: Engine, reps: int) -> dict:
+    """``reps`` wakes and sleeps and a last wake, each wake followed by the engine's first
+    write into its KV cache; then the same write into memory in use."""
     wakes, sleeps, kv_writes = [], [], []
     for i in range(reps + 1):
         wakes.append(e.wake())
         kv_writes.append(e.write_kv(i + 1))
         if i < reps:
             sleeps.append(e.sleep())
-    kv_in_use = e.write_kv(reps + 2)  # the same write into memory in use
-    time.sleep(0.5)  # driver work on the new memory that ran after the writes would show now
-    if not e.intact():
-        return outcome("fail", "the weights did not round-trip through sleep and wake")
-    if not e.kv_holds(reps + 2):
-        return outcome("fail", "the KV cache lost the writes made into it right after the wake")
+    return {"sleeps_s": sleeps, "wakes_s": wakes, "kv_first_writes_s": kv_writes,
+            "kv_write_in_use_s": e.write_kv(reps + 2)}
+
+
+def _engine_ceilings(torch, e: Engine, reps: int) -> tuple[float, float, float]:
+    """D2H, H2D into memory in use and H2D into fresh memory, for the engine's own weights."""
     views = [t.view(torch.uint8) for t in e.tensors]
-    hosts = [torch.empty(piece, dtype=torch.uint8, pin_memory=True) for _ in views]
+    hosts = [torch.empty(e.piece, dtype=torch.uint8, pin_memory=True) for _ in views]
     d2h = min(timed(torch, lambda: [h.copy_(v) for h, v in zip(hosts, views)]) for _ in range(reps))
     h2d = min(timed(torch, lambda: [v.copy_(h) for h, v in zip(hosts, views)]) for _ in range(reps))
-    fresh = min(fresh_copy(torch, e.alloc, hosts, piece, f"selftest-fresh-{i}") for i in range(reps))
+    fresh = min(fresh_copy(torch, e.alloc, hosts, e.piece, f"selftest-fresh-{i}") for i in range(reps))
+    return d2h, h2d, fresh
+
+
+def _first_sleep_figures(f: dict, d2h: float, h2d: float, fresh: float, pool: int | None, pin_s: float | None) -> dict:
+    weights = f["weights_bytes"]
 
     def gbps(s: float) -> float:
         return weights / s / 1e9
 
-    f = {"weights_bytes": weights, "kv_bytes": kv, "piece_bytes": piece, "load_s": load_s,
-         "pool_wait_s": wait_s, "pool_bytes": pool_bytes(e.alloc),
-         "first_sleep_s": first, "first_sleep_gbps": gbps(first), "sleeps_s": sleeps, "wakes_s": wakes,
-         "later_sleep_gbps": gbps(min(sleeps)), "wake_gbps": gbps(min(wakes)),
+    g = {"pool_bytes": pool, "pool_pin_s": pin_s, "first_sleep_gbps": gbps(f["first_sleep_s"]),
+         "later_sleep_gbps": gbps(min(f["sleeps_s"])), "wake_gbps": gbps(min(f["wakes_s"])),
          "d2h_ceiling_gbps": gbps(d2h), "h2d_ceiling_gbps": gbps(h2d), "fresh_h2d_ceiling_gbps": gbps(fresh),
-         "pool_pin_s": pool_pin_s(e.alloc),
-         "kv_first_writes_s": kv_writes, "kv_write_in_use_s": kv_in_use,
-         "wake_then_kv_write_gbps": gbps(min(w + k for w, k in zip(wakes, kv_writes))),
-         "host_bytes_after_first_sleep": held, "host_used_ratio": held / weights,
-         "rss_bytes_after_first_sleep": held_rss, "host_ratio": held_rss / weights,
+         "wake_then_kv_write_gbps": gbps(min(w + k for w, k in zip(f["wakes_s"], f["kv_first_writes_s"]))),
+         "host_used_ratio": f["host_bytes_after_first_sleep"] / weights,
+         "host_ratio": f["rss_bytes_after_first_sleep"] / weights,
          "backup_pool": os.environ.get("VLLM_SM12X_BACKUP_POOL", "")}
-    f["first_sleep_ratio"] = f["first_sleep_gbps"] / f["d2h_ceiling_gbps"]
-    f["later_sleep_ratio"] = f["later_sleep_gbps"] / f["d2h_ceiling_gbps"]
-    f["wake_ratio"] = f["wake_gbps"] / f["h2d_ceiling_gbps"]
-    f["wake_fresh_ratio"] = f["wake_gbps"] / f["fresh_h2d_ceiling_gbps"]
-    f["wake_then_kv_write_fresh_ratio"] = f["wake_then_kv_write_gbps"] / f["fresh_h2d_ceiling_gbps"]
-    words = (f"{weights / GiB:.1f} GiB offloaded: first sleep {first:.2f} s = {f['first_sleep_ratio']:.0%} of D2H "
-             f"{f['d2h_ceiling_gbps']:.1f} GB/s (pool wait {wait_s:.2f} s), later {f['later_sleep_ratio']:.0%}; "
-             f"wake {f['wake_ratio']:.0%} of H2D {f['h2d_ceiling_gbps']:.1f}, {f['wake_fresh_ratio']:.0%} of fresh "
-             f"{f['fresh_h2d_ceiling_gbps']:.1f} (with the first KV write {f['wake_then_kv_write_fresh_ratio']:.0%}, "
-             f"the write {min(kv_writes) * 1e3:.0f} ms, {kv_in_use * 1e3:.0f} in use); host RAM {f['host_ratio']:.3f}x the bytes offloaded (RSS; "
+    g["first_sleep_ratio"] = g["first_sleep_gbps"] / g["d2h_ceiling_gbps"]
+    g["later_sleep_ratio"] = g["later_sleep_gbps"] / g["d2h_ceiling_gbps"]
+    g["wake_ratio"] = g["wake_gbps"] / g["h2d_ceiling_gbps"]
+    g["wake_fresh_ratio"] = g["wake_gbps"] / g["fresh_h2d_ceiling_gbps"]
+    g["wake_then_kv_write_fresh_ratio"] = g["wake_then_kv_write_gbps"] / g["fresh_h2d_ceiling_gbps"]
+    return g
+
+
+def _first_sleep_judged(f: dict, target: float, ram_target: float) -> dict:
+    words = (f"{f['weights_bytes'] / GiB:.1f} GiB offloaded: first sleep {f['first_sleep_s']:.2f} s = "
+             f"{f['first_sleep_ratio']:.0%} of D2H {f['d2h_ceiling_gbps']:.1f} GB/s (pool wait {f['pool_wait_s']:.2f} s), "
+             f"later {f['later_sleep_ratio']:.0%}; wake {f['wake_ratio']:.0%} of H2D {f['h2d_ceiling_gbps']:.1f}, "
+             f"{f['wake_fresh_ratio']:.0%} of fresh {f['fresh_h2d_ceiling_gbps']:.1f} (with the first KV write "
+             f"{f['wake_then_kv_write_fresh_ratio']:.0%}, the write {min(f['kv_first_writes_s']) * 1e3:.0f} ms, "
+             f"{f['kv_write_in_use_s'] * 1e3:.0f} in use); host RAM {f['host_ratio']:.3f}x the bytes offloaded (RSS; "
              f"system-wide {f['host_used_ratio']:.3f}x)")
     if f["first_sleep_ratio"] < target or f["host_ratio"] > ram_target:
         return outcome("fail", f"{words}: wants first sleep >= {target:.0%}, host RAM <= {ram_target}x", **f)
@@ -181,7 +197,6 @@ def rotation_sizes(gib: float, chunk: int) -> tuple[int, int, int]:
 
 
 def rotation(torch, cumem, p: dict) -> dict:
-
     weights, kv, piece = rotation_sizes(p.get("rotation_gib", 24.0), p["speed_chunk"])
     free = torch.cuda.mem_get_info()[0]
     if free < 2.1 * (weights + kv):

@@ -189,12 +189,7 @@ def plan_sizes(
     point (the allocations asleep, then the memory that blocks their wake), so it may
     take at most 60% of what is free; speed must fit in half.
     """
-    if cycles < 1:
-        raise ConfigError(f"--cycles must be at least 1, not {cycles}")
-    if fault_cycles < 1:
-        raise ConfigError(f"--fault-cycles must be at least 1, not {fault_cycles}")
-    if free_bytes < 512 * MiB:
-        raise ConfigError(f"the GPU has only {free_bytes / MiB:.0f} MiB free: the selftest needs at least 512 MiB")
+    _check_counts(free_bytes, cycles, fault_cycles)
     count = 8
     partial = _given("--size-gib", size_gib, GiB, free_bytes, 0.6) or min(8 * GiB, free_bytes // 4)
     each = _round_down(partial // count)
@@ -220,6 +215,15 @@ def plan_sizes(
         fault_cycles=fault_cycles,
         **_transaction_sizes(free_bytes),
     )
+
+
+def _check_counts(free_bytes: int, cycles: int, fault_cycles: int) -> None:
+    if cycles < 1:
+        raise ConfigError(f"--cycles must be at least 1, not {cycles}")
+    if fault_cycles < 1:
+        raise ConfigError(f"--fault-cycles must be at least 1, not {fault_cycles}")
+    if free_bytes < 512 * MiB:
+        raise ConfigError(f"the GPU has only {free_bytes / MiB:.0f} MiB free: the selftest needs at least 512 MiB")
 
 
 def _transaction_sizes(free_bytes: int) -> dict:

@@ -115,9 +115,22 @@ def moe_churn(torch, cumem, p: dict) -> dict:
     f["retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries_before
     if not (f["retries"] or f["frees_during_churn"]):
         return outcome("error", "no allocation ran out of memory under the budget: nothing was tested", **f)
+    failed = _weights_survive(torch, alloc, shards, f)
+    if failed:
+        return failed
+    del hog
+    return outcome("pass", f"{count} buffers of {lo / GiB:.1f}-{hi / GiB:.1f} GiB in a {budget / GiB:.1f} GiB budget "
+                           f"(max_split_size_mb:20): {f['retries']} out-of-memory retries, "
+                           f"{f['frees_during_churn']} frees (segments given back, failed maps taken back); weights intact through sleep and wake",
+                   **f)
+
+
+def _weights_survive(torch, alloc, shards: list, f: dict) -> dict | None:
+    """The kept weights intact after the churn, and through a sleep and wake (no failed
+    allocation is left registered); the failing outcome, or None."""
     if not all(intact(torch, t, (i + 1) << 40) for i, t in enumerate(shards)):
         return outcome("fail", "the churn completed but the kept weights lost bytes", **f)
-    try:  # and the engine can still sleep: no failed allocation is left registered
+    try:
         alloc.sleep(offload_tags=("weights",))
         alloc.wake_up()
     except RuntimeError as exc:
@@ -125,8 +138,4 @@ def moe_churn(torch, cumem, p: dict) -> dict:
                                f"failed: {first_line(exc)}", **f)
     if not all(intact(torch, t, (i + 1) << 40) for i, t in enumerate(shards)):
         return outcome("fail", "after the churn, sleep and wake lost the weights' bytes", **f)
-    del hog
-    return outcome("pass", f"{count} buffers of {lo / GiB:.1f}-{hi / GiB:.1f} GiB in a {budget / GiB:.1f} GiB budget "
-                           f"(max_split_size_mb:20): {f['retries']} out-of-memory retries, "
-                           f"{f['frees_during_churn']} frees (segments given back, failed maps taken back); weights intact through sleep and wake",
-                   **f)
+    return None
