@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from sm12x_bundle.series.lane import shipped_lanes
+
 from sm12x_bundle.outputs.tree import write_tree
 from sm12x_bundle.series.patch import load_series
 
 REPO = Path(__file__).resolve().parents[1]
 # The lanes whose allocator fixes the CPU tests prove; each has patches/<version>/series.
-LANES = ("0.21.0", "0.33.0")
+LANES = shipped_lanes()  # patches/<version>/series: the one list of lanes
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,8 @@ from pathlib import Path
 import needs
 import pytest
 
+from sm12x_bundle.series.lane import shipped_lanes
+
 from sm12x_bundle.checks.check import Outcome, check_tree
 from sm12x_bundle.fsutil import MARKER
 from sm12x_bundle.outputs.tree import write_tree
@@ -22,7 +24,7 @@ from sm12x_bundle.series.probes import probe_matches
 
 pytestmark = pytest.mark.integration
 
-LANES = ("0.21.0", "0.33.0")  # the embedded default's (test_lanes checks the default has them)
+LANES = shipped_lanes()  # patches/<version>/series: the one list of lanes
 
 
 @pytest.fixture(params=LANES)

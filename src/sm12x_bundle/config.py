@@ -218,6 +218,13 @@ class Config:
         raise ConfigError(f"{self.origin}: no target named {name!r}{_did_you_mean(name, known)}")
 
 
+def _shipped_lanes() -> tuple[LaneConfig, ...]:
+    """One lane per shipped series (patches/<version>/series), pinned by data/releases.json."""
+    from .series.lane import shipped_lanes
+
+    return tuple(LaneConfig(version) for version in shipped_lanes())
+
+
 def _lane_of_pin(pin: PinConfig, series: str | None) -> LaneConfig:
     return LaneConfig(pin.version, pin.sha256, series, pin.source, pin.index_url)
 
@@ -421,6 +428,9 @@ def parse(text: str, origin: str, base_dir: Path) -> Config:
     lines: dict[str, int] = {}
     config = _build(Config, _compose(text, origin), "", origin, lines)
     config = dataclasses.replace(config, origin=origin, base_dir=str(base_dir))
+    if not {"lanes", "pin", "series"} & lines.keys():  # no lane named: every lane the tool ships
+        config = dataclasses.replace(config, lanes=_shipped_lanes())
+        lines.update({"lanes": 1, **{f"lanes[{i}]": 1 for i in range(len(config.lanes))}})
     validate(config, lines)
     if "lanes" in lines:  # the one-lane names repeat the first lane for one-lane callers
         first = config.lanes[0]
