@@ -31,7 +31,7 @@ def imported(name: str, path: Path, lazy: bool = True) -> set[str]:
     known = modules()
     out = set()
     tree = ast.parse(path.read_text("utf-8"))
-    for node in ast.walk(tree) if lazy else tree.body:
+    for node in _runtime_nodes(tree) if lazy else tree.body:
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -43,6 +43,16 @@ def imported(name: str, path: Path, lazy: bool = True) -> set[str]:
         elif isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
     return {m for m in out if m in known and m != name}
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node but those under ``if TYPE_CHECKING:`` (annotations only: nothing runs)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"):
+            yield from (n for child in node.orelse for n in [child, *_runtime_nodes(child)])
+            continue
+        yield node
+        yield from _runtime_nodes(node)
 
 
 def layer(module: str) -> str:
@@ -79,8 +89,7 @@ def test_the_plan_never_imports_an_output():
 
 def test_the_layers_form_no_cycle():
     """Packages (source, series, checks, plan, outputs, selftest) and top-level modules, by
-    their module-level imports. (Known, left as it is: config.py imports outputs/nomad.py's
-    budget arithmetic inside a function, a deferred edge back up the layers.)"""
+    their module-level imports."""
     graph: dict[str, set[str]] = {}
     for name, path in modules().items():
         deps = imported(name, path, lazy=False)
@@ -89,6 +98,45 @@ def test_the_layers_form_no_cycle():
     top = {"cli", "pipeline", "__main__", "sm12x_bundle"}
     graph = {k: v - top for k, v in graph.items() if k not in top}
     assert cycles(graph) == []
+
+
+def test_no_module_imports_its_way_back_to_itself():
+    """Module by module across the whole package, imports inside functions included: a
+    deferred import is a cycle put off, not removed."""
+    graph = {name: imported(name, path) for name, path in modules().items()}
+    assert cycles(graph) == []
+
+
+# What starts a process. cmd.py alone does, so that every command is echoed and every
+# failure is one CommandError; text inside a string (a script run in an image) is not a call.
+_STARTERS = {
+    "subprocess": {"run", "Popen", "call", "check_call", "check_output", "getoutput", "getstatusoutput"},
+    "os": {"system", "popen", "execv", "execve", "execvp", "execvpe", "execl", "execlp", "spawnv", "spawnl", "posix_spawn"},
+}
+
+
+def process_starts(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+        call = node.func if isinstance(node, ast.Call) else None
+        if isinstance(call, ast.Attribute) and isinstance(call.value, ast.Name):
+            if call.attr in _STARTERS.get(call.value.id, ()):
+                found.append(f"{path.name}:{node.lineno}: {call.value.id}.{call.attr}")
+        elif isinstance(node, ast.ImportFrom) and node.module in _STARTERS:
+            found += [f"{path.name}:{node.lineno}: from {node.module} import {a.name}"
+                      for a in node.names if a.name in _STARTERS[node.module]]
+    return found
+
+
+def test_only_cmd_starts_processes():
+    starts = [s for name, path in modules().items() if name != "sm12x_bundle.cmd" for s in process_starts(path)]
+    assert starts == []
+
+
+def test_the_process_check_sees_a_start(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("import subprocess\nfrom os import system\nS = 'subprocess.run(x)'\nP: subprocess.Popen\nsubprocess.run(['true'])\n")
+    assert process_starts(f) == ["m.py:2: from os import system", "m.py:5: subprocess.run"]
 
 
 def test_the_image_side_modules_form_no_cycle():

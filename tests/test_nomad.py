@@ -24,6 +24,7 @@ from hcl2.utils import SerializationOptions
 
 from sm12x_bundle import cli
 from sm12x_bundle import config as config_mod
+from sm12x_bundle import jobs
 from sm12x_bundle.errors import ConfigError
 from sm12x_bundle.outputs import nomad
 from sm12x_bundle.plan import files as plan_files
@@ -602,8 +603,8 @@ def test_example_manifest_matches_the_pinned_series(patched_tree, pinned_tree, s
 # --- the memory-budget preflight ------------------------------------------------------
 
 
-def budget(util: float) -> nomad.Budget:
-    return nomad.Budget(utilization=util, capacity_gib=95, non_cumem_gib=22, residue_gib=4.8)
+def budget(util: float) -> jobs.Budget:
+    return jobs.Budget(utilization=util, capacity_gib=95, non_cumem_gib=22, residue_gib=4.8)
 
 
 def test_preflight_seed_numbers():
@@ -627,17 +628,17 @@ def test_preflight_error_names_the_numbers_and_the_largest_fit():
 
 
 def test_preflight_when_nothing_fits():
-    b = nomad.Budget(utilization=0.1, capacity_gib=24, non_cumem_gib=22, residue_gib=4.8)
+    b = jobs.Budget(utilization=0.1, capacity_gib=24, non_cumem_gib=22, residue_gib=4.8)
     assert b.largest_utilization() == 0
     with pytest.raises(ConfigError, match="no utilization fits"):
-        nomad.check_budget(config_mod.JobConfig(name="j", model="m", target="t", gpu_capacity_gib=24,
+        jobs.check_budget(config_mod.JobConfig(name="j", model="m", target="t", gpu_capacity_gib=24,
                                                 gpu_memory_utilization=0.1, non_cumem_gib=22, peer_residue_gib=4.8), "w")
 
 
 def test_preflight_rounds_down():
     # (95 - 28.5) / 95 = 0.7 exactly; float noise must not turn it into 0.69.
-    assert nomad.Budget(0.9, 95, 28.5, 0).largest_utilization() == 0.70
-    assert nomad.Budget(0.9, 80, 10, 2.5).largest_utilization() == 0.84  # 0.84375
+    assert jobs.Budget(0.9, 95, 28.5, 0).largest_utilization() == 0.70
+    assert jobs.Budget(0.9, 80, 10, 2.5).largest_utilization() == 0.84  # 0.84375
 
 
 # --- determinism ---------------------------------------------------------------------

@@ -26,6 +26,7 @@ import yaml
 
 from . import inputs
 from .errors import ConfigError
+from .jobs import MANAGED_FLAGS, check_budget, managed_env
 
 LOCAL_CONFIG = "sm12x-bundle.yaml"
 
@@ -734,8 +735,6 @@ def _job_gpu_model(job: JobConfig, key: str, at: _Where) -> None:
 
 
 def _job_memory(job: JobConfig, key: str, at: _Where) -> None:
-    from .outputs.nomad import check_budget  # the budget's arithmetic lives with the notes it feeds
-
     if job.gpu_capacity_gib <= 0:
         at.fail(f"{key}.gpu_capacity_gib", f"must be positive, not {job.gpu_capacity_gib:g}")
     if not 0 < job.gpu_memory_utilization <= 1:
@@ -788,8 +787,6 @@ def _job_delivery(job: JobConfig, key: str, at: _Where) -> None:
 
 
 def _job_container(job: JobConfig, key: str, at: _Where) -> None:
-    from .outputs.nomad import MANAGED_FLAGS, managed_env  # what the renderer writes itself
-
     if not job.entrypoint or not all(job.entrypoint):
         at.fail(f"{key}.entrypoint", "entrypoint must not be empty (it replaces the image's ENTRYPOINT)")
     for i, arg in enumerate(job.extra_args):

@@ -1,8 +1,7 @@
 """The check's long-lived children, each in a process group of its own, and their ending.
 
-Why not ``cmd.run``: it runs a command to its end, and a session is spoken to while it
-lives (a JSON line in, a JSON line out, many times). So this module, and only this one,
-starts children with ``subprocess.Popen``; it echoes ``+ cmd`` as cmd.run does.
+Why ``cmd.start`` and not ``cmd.run``: run runs a command to its end, and a session is
+spoken to while it lives (a JSON line in, a JSON line out, many times).
 
 Every child starts a new session (``start_new_session``), so the engine core process that
 vLLM forks or spawns below it, and any process it starts in turn, share the child's process
@@ -15,16 +14,15 @@ from __future__ import annotations
 
 import os
 import queue
-import shlex
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from .. import cmd
 from . import protocol
 
 _EOF = object()
@@ -36,11 +34,8 @@ class Child:
     def __init__(self, argv: Sequence[str], env: Mapping[str, str], log: Path, label: str, echo: bool = True) -> None:
         self.label, self.log = label, log
         log.parent.mkdir(parents=True, exist_ok=True)
-        if echo:
-            print("+ " + shlex.join(argv), file=sys.stderr, flush=True)
         with open(log, "ab") as err:
-            self.proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                         env=dict(env), text=True, start_new_session=True)
+            self.proc = cmd.start(argv, env=env, echo=echo, new_session=True, stderr=err)
         self.pid = self.proc.pid
         self.killed = False
         self.lines: queue.Queue = queue.Queue()

@@ -26,14 +26,12 @@ from urllib.parse import quote
 from ..config import Config, JobConfig
 from ..errors import ConfigError, VerifyError
 from ..fsutil import Destination, write_files
+from ..jobs import Budget, check_budget, managed_env, number
 
 GROUP = "vllm"
 TASK = "vllm"
 PORT_LABEL = "http"
 
-# Inside a docker task, the task's local/ folder is /local (NOMAD_TASK_DIR): writable
-# under readonly_rootfs.
-TASK_DIR = "/local"
 # FlashInfer JIT (and anything else keyed on $HOME) writes under /root/.cache. A relative
 # bind source resolves in the task directory; this one is the allocation's data folder,
 # which always exists and, being inside the allocation, needs no client setting.
@@ -48,84 +46,12 @@ ROOT_CACHE_SOURCE = "../alloc/data"
 STICKY_DISK = {"sticky": True, "migrate": True}
 OVERLAY_DEST = "local/overlay"
 
-# vllm serve flags this module writes from the config; extra_args must not repeat them.
-MANAGED_FLAGS = (
-    "--host",
-    "--port",
-    "--tensor-parallel-size",
-    "-tp",
-    "--gpu-memory-utilization",
-    "--enable-sleep-mode",
-    "--served-model-name",
-    "--max-model-len",
-)
-
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HASH16 = re.compile(r"[0-9a-f]{16}")
 _NS = 1_000_000_000
 
 
-# --- the memory-budget preflight ------------------------------------------------
 
-
-@dataclass(frozen=True)
-class Budget:
-    """What one GPU must hold while this server is awake and its peer sleeps."""
-
-    utilization: float
-    capacity_gib: float
-    non_cumem_gib: float
-    residue_gib: float
-
-    @classmethod
-    def of(cls, job: JobConfig) -> Budget:
-        return cls(job.gpu_memory_utilization, job.gpu_capacity_gib, job.non_cumem_gib, job.peer_residue_gib)
-
-    @property
-    def cumem_gib(self) -> float:
-        return self.utilization * self.capacity_gib
-
-    @property
-    def total_gib(self) -> float:
-        return self.cumem_gib + self.non_cumem_gib + self.residue_gib
-
-    def fits(self) -> bool:
-        return self.total_gib <= self.capacity_gib + 1e-9
-
-    def largest_utilization(self) -> float:
-        """The largest utilization that fits, rounded down to 0.01 (0 when none does)."""
-        room = (self.capacity_gib - self.non_cumem_gib - self.residue_gib) / self.capacity_gib
-        return max(0.0, math.floor(round(room * 100, 6)) / 100)
-
-    def describe(self) -> str:
-        return (
-            f"{_num(self.utilization)} x {_num(self.capacity_gib)} GiB ({_num(self.cumem_gib)} GiB cumem)"
-            f" + {_num(self.non_cumem_gib)} GiB non-cumem + {_num(self.residue_gib)} GiB sleeping-peer residue"
-            f" = {_num(self.total_gib)} GiB"
-        )
-
-
-def check_budget(job: JobConfig, where: str) -> Budget:
-    """The preflight: raise ConfigError naming the numbers when the budget does not fit."""
-    budget = Budget.of(job)
-    if not 0 < budget.utilization <= 1:
-        raise ConfigError(f"{where}: gpu_memory_utilization must be in (0, 1], not {budget.utilization}")
-    if budget.fits():
-        return budget
-    largest = budget.largest_utilization()
-    advice = (
-        f"the largest gpu_memory_utilization that fits is {largest:.2f}"
-        if largest > 0
-        else "no utilization fits: the non-cumem footprint and peer residue alone fill the GPU"
-    )
-    raise ConfigError(
-        f"{where}: the GPU memory budget does not fit: {budget.describe()}"
-        f" > {_num(budget.capacity_gib)} GiB; {advice}"
-    )
-
-
-def _num(x: float) -> str:
-    return f"{round(x, 2):g}"
 
 
 # --- validating a job -----------------------------------------------------------
@@ -291,27 +217,7 @@ def vllm_args(job: JobConfig) -> tuple[str, ...]:
     return tuple(args + list(job.extra_args))
 
 
-def managed_env(job: JobConfig) -> dict[str, str]:
-    env = {
-        # The stale-bytecode guard: Python reads and writes .pyc only under this task
-        # folder, so an overlaid .py never runs as the image's old .pyc (which a same-size,
-        # same-mtime overlay would otherwise match). The sticky disk carries the folder to
-        # the next allocation; bytecode of an older overlay is refused there because each
-        # overlay version has its own mtime (overlay.MTIME_BASE).
-        "PYTHONPYCACHEPREFIX": f"{TASK_DIR}/pycache",
-        # readonly_rootfs: every cache and temporary file goes to the task directory.
-        "TMPDIR": TASK_DIR,
-        "TRITON_CACHE_DIR": f"{TASK_DIR}/cache/triton",
-        "VLLM_CACHE_ROOT": f"{TASK_DIR}/cache/vllm",
-        "TORCHINDUCTOR_CACHE_DIR": f"{TASK_DIR}/cache/torchinductor",
-        "VLLM_NO_USAGE_STATS": "1",
-    }
-    if job.sleep_mode:
-        env["VLLM_SERVER_DEV_MODE"] = "1"  # /sleep, /wake_up and /is_sleeping exist only then
-    if job.gpu_allocation == "shared":
-        env["NVIDIA_VISIBLE_DEVICES"] = ",".join(job.gpu_ids)
-        env["NVIDIA_DRIVER_CAPABILITIES"] = "compute,utility"
-    return env
+
 
 
 def _overlay(job: JobConfig, manifest: Mapping, files: list[dict]) -> tuple[list[Mount], list[Artifact]]:
@@ -356,7 +262,7 @@ def _notes(job: JobConfig, manifest: Mapping, budget: Budget) -> tuple[str, ...]
         f'Generated by sm12x-bundle from job "{job.name}" of the config: edit the config, not this file.',
         f"Overlay {manifest['content_hash']} of target {job.target}: {n} file{'s' * (n != 1)}, "
         f"{job.overlay_delivery} delivery.",
-        f"GPU memory budget: {budget.describe()} of {_num(budget.capacity_gib)} GiB.",
+        f"GPU memory budget: {budget.describe()} of {number(budget.capacity_gib)} GiB.",
         "Nomad deploys this job alone: nothing orders it against its rotation peer. Walk the rotation:",
         f"  nomad job run this file, wait until 'nomad job status {job.name}' (or GET /v1/job/{job.name}/deployment)",
         "  shows its latest deployment successful, POST /sleep to it, then the same for the next job.",

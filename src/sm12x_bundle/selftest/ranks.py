@@ -230,15 +230,14 @@ def phase_wake(rank: Rank, args) -> dict:
     return _after_failure(rank, states, "wake_up", expect_mapped=False)
 
 
-def _take(rank: Rank, args) -> subprocess.Popen:
+def _take(rank: Rank, args) -> subprocess.Popen[str]:
     """Another process takes this GPU's memory but what the other ranks' wake needs (one
     GPU) and half an allocation. Started as scenario 9 starts its own (it must live on
     while the wake runs)."""
     others = (rank.world - 1) * (PIECES + 1) * args.each if args.gpus == 1 else 0
     leave = others + args.each // 2
     device = rank.torch.cuda.current_device()
-    taker = subprocess.Popen([sys.executable, "-c", TAKER, str(leave), str(device)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    taker = cmd.start([sys.executable, "-c", TAKER, str(leave), str(device)], echo=False)
     line = taker.stdout.readline().split()
     if not line or line[0] != "took":
         raise RuntimeError("the other process did not take the memory")
