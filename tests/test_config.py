@@ -5,6 +5,7 @@ import pytest
 from sm12x_bundle.source.pin import known_sha256
 
 from sm12x_bundle import config as config_mod
+from sm12x_bundle import values
 from sm12x_bundle.errors import ConfigError
 
 
@@ -120,7 +121,7 @@ def test_a_mapping_key_is_named_on_its_own_line():
     ("", "must be a vLLM release version"), ("v0.21.0", "must be a vLLM release version"), ("0.21.0 ", "must be"),
 ])
 def test_versions_are_release_numbers(value, problem):
-    got = config_mod.version_problem(value)
+    got = values.version_problem(value)
     assert got is None if problem is None else problem in got
 
 
@@ -129,7 +130,7 @@ def test_versions_are_release_numbers(value, problem):
     ("ubuntu@sha256:" + "a" * 64, True), ("Bad Image", False), ("vllm/vllm-openai:", False), ("UPPER/case", False),
 ])
 def test_image_references(ref, ok):
-    assert (config_mod.image_problem(ref) is None) is ok
+    assert (values.image_problem(ref) is None) is ok
 
 
 # --- what a config file may hold (issue 21) -------------------------------------------

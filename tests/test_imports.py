@@ -139,6 +139,45 @@ def test_the_process_check_sees_a_start(tmp_path):
     assert process_starts(f) == ["m.py:2: from os import system", "m.py:5: subprocess.run"]
 
 
+# The house, floor by floor from the ground: a module imports only from floors below its
+# own (its own package aside). The pipeline reads upward: lanes (source, series) -> config
+# -> plan -> outputs, the checks beside; the commands on top.
+FLOORS = (
+    ("errors", "sm12x_bundle"),
+    ("progress", "cmd", "fsutil", "inputs", "values"),
+    ("containers", "native", "jobs"),
+    ("source",),
+    ("series",),
+    ("checks", "config"),
+    ("context",),
+    ("plan",),
+    ("outputs",),
+    ("pipeline", "selftest"),
+    ("enginecheck",),
+    ("cli",),
+    ("__main__",),
+)
+
+
+def floor(module: str) -> int:
+    return next(i for i, names in enumerate(FLOORS) if layer(module) in names)
+
+
+def test_every_module_has_a_floor():
+    assert all(any(layer(n) in names for names in FLOORS) for n in modules()), "add the new layer to FLOORS"
+
+
+def test_no_arrow_points_up():
+    """Imports inside functions included: every arrow points to a lower floor."""
+    up = [
+        f"{name} (floor {floor(name)}) imports {dep} (floor {floor(dep)})"
+        for name, path in modules().items()
+        for dep in sorted(imported(name, path))
+        if layer(dep) != layer(name) and floor(dep) >= floor(name)
+    ]
+    assert up == []
+
+
 def test_the_image_side_modules_form_no_cycle():
     """Module by module inside plan/ and outputs/ (the old overlay <-> manifest bounce)."""
     graph = {

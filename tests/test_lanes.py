@@ -1,4 +1,4 @@
-"""Lanes: several pinned releases, each with its own series (config.py, context.py,
+"""Lanes: several pinned releases, each with its own series (config/, context.py,
 series/lane.py, checks/, the check and apply commands, build's tree steps)."""
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""What a job of the config asks of its node, in the words both the config check and the
-Nomad renderer use: the GPU memory budget, the vllm serve flags and the environment the job
-spec sets itself (so a config that repeats one is refused before anything is rendered).
+"""The rules of a Nomad job, in the words both the config check and the Nomad renderer use:
+what a job asks of its node (the GPU memory budget), the vllm serve flags and environment the
+job spec sets itself, and the checks of every job value, run when the config is loaded so
+that ``--dry-run`` refuses what a render would.
 
 Below config and outputs/nomad: each imports it, it imports neither.
 """
@@ -8,10 +9,21 @@ Below config and outputs/nomad: each imports it, it imports neither.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from .errors import ConfigError
+from .values import (
+    ENV_KEY,
+    JOB_NAME,
+    Where,
+    absolute_problem,
+    did_you_mean,
+    text_problem,
+    url_problem,
+)
 
 if TYPE_CHECKING:  # annotations only: config imports this module
     from .config import JobConfig
@@ -114,3 +126,177 @@ def managed_env(job: JobConfig) -> dict[str, str]:
 
 def number(x: float) -> str:
     return f"{round(x, 2):g}"
+
+
+# --- checking a job's values ------------------------------------------------------
+
+
+DELIVERIES = ("host", "artifact")
+
+
+ALLOCATIONS = ("device", "shared")
+
+
+PROVIDERS = ("nomad", "consul")
+
+
+def check_jobs(jobs: tuple[JobConfig, ...], targets: list[str], at: Where) -> None:
+    """Refuse the first job value a render would refuse, naming file:line:key."""
+    known = targets
+    seen: set[str] = set()
+    for i, job in enumerate(jobs):
+        key = f"jobs[{i}]"
+        if not JOB_NAME.fullmatch(job.name):
+            at.fail(
+                f"{key}.name",
+                "a job name is letters, digits and dashes, at most 63 (it names the service and the files), "
+                f"not {job.name!r}",
+            )
+        if job.name in seen:
+            at.fail(f"{key}.name", f"job names must be unique: {job.name!r} is already a job")
+        seen.add(job.name)
+        if job.target not in known:
+            hint = did_you_mean(job.target, known)
+            at.fail(f"{key}.target", f"job {job.name!r} names target {job.target!r}, which is not in targets{hint}")
+        for check in _JOB_CHECKS:
+            check(job, key, at)
+    _check_peer_ports(jobs, at)
+
+
+def _job_text(job: JobConfig, key: str, at: Where) -> None:
+    at.check(f"{key}.model", text_problem(job.model))
+    if job.served_model_name is not None:
+        at.check(f"{key}.served_model_name", text_problem(job.served_model_name))
+    for i, dc in enumerate(job.datacenters):
+        at.check(f"{key}.datacenters[{i}]", text_problem(dc))
+    if not job.datacenters:
+        at.fail(f"{key}.datacenters", "must name at least one datacenter")
+    for attribute, value in sorted(job.node_constraints.items()):
+        at.check(f"{key}.node_constraints.{attribute}", text_problem(attribute) or text_problem(value))
+
+
+def _job_choices(job: JobConfig, key: str, at: Where) -> None:
+    for name, value, choices in (
+        ("overlay_delivery", job.overlay_delivery, DELIVERIES),
+        ("gpu_allocation", job.gpu_allocation, ALLOCATIONS),
+        ("service_provider", job.service_provider, PROVIDERS),
+    ):
+        if value not in choices:
+            at.fail(f"{key}.{name}", f"unknown {name} {value!r}: choose one of {', '.join(choices)}")
+
+
+def _job_gpus(job: JobConfig, key: str, at: Where) -> None:
+    if job.gpus < 1:
+        at.fail(f"{key}.gpus", f"must be 1 or more, not {job.gpus}")
+    if job.tensor_parallel_size != job.gpus:
+        at.fail(
+            f"{key}.tensor_parallel_size",
+            f"tensor_parallel_size {job.tensor_parallel_size} needs as many GPUs, "
+            f"but gpus is {job.gpus}: set both to the same number",
+        )
+    if job.gpu_allocation == "shared" and len(job.gpu_ids) != job.gpus:
+        at.fail(f"{key}.gpu_ids", f"gpu_allocation 'shared' needs gpu_ids listing the {job.gpus} GPUs it shares")
+    if len(set(job.gpu_ids)) != len(job.gpu_ids) or not all(g.strip() for g in job.gpu_ids):
+        at.fail(f"{key}.gpu_ids", "must name each GPU once, none empty")
+    if job.gpu_allocation == "device" and job.gpu_ids:
+        at.fail(f"{key}.gpu_ids", "gpu_ids apply to gpu_allocation 'shared'; the device plugin picks the GPUs")
+    if job.gpu_model is not None:
+        _job_gpu_model(job, key, at)
+
+
+def _job_gpu_model(job: JobConfig, key: str, at: Where) -> None:
+    if job.gpu_allocation == "shared":
+        at.fail(
+            f"{key}.gpu_model",
+            "gpu_model constrains ${device.model}, which only gpu_allocation 'device' has; "
+            "pin shared GPUs with node_constraints",
+        )
+    try:
+        re.compile(job.gpu_model or "")
+    except re.error as exc:
+        at.fail(f"{key}.gpu_model", f"is not a regular expression: {exc}")
+
+
+def _job_memory(job: JobConfig, key: str, at: Where) -> None:
+    if job.gpu_capacity_gib <= 0:
+        at.fail(f"{key}.gpu_capacity_gib", f"must be positive, not {job.gpu_capacity_gib:g}")
+    if not 0 < job.gpu_memory_utilization <= 1:
+        at.fail(f"{key}.gpu_memory_utilization", f"must be in (0, 1], not {job.gpu_memory_utilization:g}")
+    for name in ("non_cumem_gib", "peer_residue_gib"):
+        if getattr(job, name) < 0:
+            at.fail(f"{key}.{name}", f"must be 0 or more, not {getattr(job, name):g}")
+    util = f"{key}.gpu_memory_utilization"
+    check_budget(job, f"{at.origin}:{at.line(util)}: {util}")
+
+
+def _job_sizes(job: JobConfig, key: str, at: Where) -> None:
+    for name in ("cpu_mhz", "memory_mb", "shm_size_mb", "disk_mb", "load_time_s", "kill_timeout_s"):
+        if getattr(job, name) <= 0:
+            at.fail(f"{key}.{name}", f"must be positive, not {getattr(job, name)}")
+    if job.max_model_len is not None and job.max_model_len <= 0:
+        at.fail(f"{key}.max_model_len", f"must be positive, not {job.max_model_len}")
+    if not 0 < job.port < 65536:
+        at.fail(f"{key}.port", f"port must be in 1-65535, not {job.port}")
+
+
+def _job_timing(job: JobConfig, key: str, at: Where) -> None:
+    if job.healthy_deadline_s <= job.load_time_s:
+        at.fail(
+            f"{key}.healthy_deadline_s",
+            f"healthy_deadline_s ({job.healthy_deadline_s}) must exceed load_time_s ({job.load_time_s}), "
+            "or every deployment fails while the model loads",
+        )
+    if job.progress_deadline_s <= job.healthy_deadline_s:
+        at.fail(
+            f"{key}.progress_deadline_s",
+            f"progress_deadline_s ({job.progress_deadline_s}) must exceed healthy_deadline_s "
+            f"({job.healthy_deadline_s}) (Nomad refuses the update block otherwise)",
+        )
+    if not 0 <= job.min_healthy_time_s < job.healthy_deadline_s:
+        at.fail(f"{key}.min_healthy_time_s", "min_healthy_time_s must be at least 0 and less than healthy_deadline_s")
+
+
+def _job_delivery(job: JobConfig, key: str, at: Where) -> None:
+    if job.overlay_delivery == "host":
+        at.check(f"{key}.overlay_host_dir", absolute_problem(job.overlay_host_dir))
+        return
+    url = job.artifact_base_url
+    if not url:
+        needs = "overlay_delivery 'artifact' needs artifact_base_url (where overlays/ is served)"
+        at.fail(f"{key}.artifact_base_url", needs)
+    parts = urlsplit(url)
+    if url_problem(url, ("http", "https")) or parts.query or parts.fragment:
+        at.fail(f"{key}.artifact_base_url", f"artifact_base_url must be a plain http(s) URL, not {url!r}")
+
+
+def _job_container(job: JobConfig, key: str, at: Where) -> None:
+    if not job.entrypoint or not all(job.entrypoint):
+        at.fail(f"{key}.entrypoint", "entrypoint must not be empty (it replaces the image's ENTRYPOINT)")
+    for i, arg in enumerate(job.extra_args):
+        flag = arg.split("=", 1)[0]
+        if flag in MANAGED_FLAGS:
+            at.fail(f"{key}.extra_args[{i}]", f"extra_args sets {flag}, which comes from the job's own keys; use those")
+    managed = managed_env(job)
+    for name in sorted(job.env):
+        if not ENV_KEY.fullmatch(name):
+            at.fail(f"{key}.env.{name}", f"env key {name!r} is not a valid variable name")
+        if name in managed:
+            at.fail(f"{key}.env.{name}", f"env {name} is set by sm12x-bundle ({managed[name]!r}); remove it from env")
+    for container, host in sorted(job.host_mounts.items()):
+        at.check(f"{key}.host_mounts.{container}", absolute_problem(container) or absolute_problem(host))
+
+
+_JOB_CHECKS = (_job_text, _job_choices, _job_gpus, _job_memory, _job_sizes, _job_timing, _job_delivery, _job_container)
+
+
+def _check_peer_ports(jobs: tuple[JobConfig, ...], at: Where) -> None:
+    """Peers pinned to the same node cannot share a static port."""
+    seen: dict[tuple, str] = {}
+    for i, job in enumerate(jobs):
+        if job.gpu_allocation != "shared":
+            continue
+        node = (job.port, tuple(sorted(job.node_constraints.items())))
+        if node in seen:
+            peers = f"jobs {seen[node]!r} and {job.name!r}"
+            at.fail(f"jobs[{i}].port", f"{peers} share a node and both use port {job.port}")
+        seen[node] = job.name

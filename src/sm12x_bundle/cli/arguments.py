@@ -5,8 +5,8 @@ argparse turns the sentence into ``sm12x-bundle CMD: error: argument --X: SENTEN
 and exit code 2, the code for a malformed command line. A well-formed path this machine
 will not let the tool write (a read-only folder, /proc) is EnvironmentProblem instead (exit
 12), raised while parsing too, so nothing has run either. The checks shared with the
-configuration (versions, image references, digests, paths) come from config.py, so an
-option and the key it overrides are refused in the same words.
+configuration (versions, image references, digests, paths) come from values.py, as the
+config's do, so an option and the key it overrides are refused in the same words.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from .. import config, fsutil
+from .. import fsutil, values
 from ..errors import EnvironmentProblem
 
 
@@ -30,14 +30,14 @@ def _from(problem: Callable[[str], str | None]) -> Callable[[str], str]:
     return check
 
 
-version = _from(config.version_problem)
-image_ref = _from(config.image_problem)
-image_tag = _from(lambda v: config.image_problem(v, digest_allowed=False))
-digest = _from(config.digest_problem)
-absolute_path = _from(config.absolute_problem)
-text = _from(config.text_problem)
-line = _from(config.line_problem)
-folder_name = _from(config.folder_name_problem)
+version = _from(values.version_problem)
+image_ref = _from(values.image_problem)
+image_tag = _from(lambda v: values.image_problem(v, digest_allowed=False))
+digest = _from(values.digest_problem)
+absolute_path = _from(values.absolute_problem)
+text = _from(values.text_problem)
+line = _from(values.line_problem)
+folder_name = _from(values.folder_name_problem)
 
 
 def _number(kind: type, value: str) -> int | float:

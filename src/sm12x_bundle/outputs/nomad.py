@@ -56,7 +56,7 @@ _NS = 1_000_000_000
 
 # --- validating a job -----------------------------------------------------------
 #
-# Every job value is checked when the config is loaded (config.py), so --dry-run
+# Every job value is checked when the config is loaded (config/ and jobs.py), so --dry-run
 # refuses what a render would; only what needs the overlay manifest is checked here.
 
 
