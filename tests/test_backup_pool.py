@@ -310,3 +310,63 @@ def test_selftest_sizes_are_whole_pieces_in_the_seeds_proportions():
     assert weights % piece == 0 and kv % piece == 0 and piece % (2 * MiB) == 0
     assert weights + kv >= 24 << 30
     assert abs(weights / (weights + kv) - 2 / 3) < 0.02
+
+
+class CaptureModes:
+    """The driver's per-thread stream-capture mode (cuThreadExchangeStreamCaptureMode) and
+    the runtime's cudaHostRegister, which records the mode it was called in."""
+
+    GLOBAL, RELAXED = 0, 2
+
+    def __init__(self) -> None:
+        self.mode = self.GLOBAL
+        self.registered_in: list[int] = []
+        self.cuThreadExchangeStreamCaptureMode = self.Function(self._exchange)  # noqa: N815 (the driver's name)
+
+    class Function:
+        """A ctypes foreign function: callable, and takes argtypes."""
+
+        def __init__(self, call) -> None:
+            self.call, self.argtypes = call, None
+
+        def __call__(self, *args):
+            return self.call(*args)
+
+    def _exchange(self, ref) -> int:
+        new = ref._obj.value
+        ref._obj.value, self.mode = self.mode, new
+        return 0
+
+    def cudaHostRegister(self, addr, nbytes, flags):  # noqa: N802
+        self.registered_in.append(self.mode)
+        return 0
+
+
+def test_pinning_runs_in_the_relaxed_capture_mode(pool_mod, monkeypatch):
+    """The engine captures CUDA graphs (global capture mode) while the pool pins in its own
+    thread: there cudaHostRegister is refused and breaks the capture (vLLM 0.33.0's
+    test_cudagraph_pool_sleep failed on an H100 until the pinning thread took the relaxed
+    mode: docs/records/upstream-allocator-tests-0.33.0-capture-failure-h100-2026-11-25.log).
+    So the call is made in relaxed mode, and the thread's mode is put back after it."""
+    driver = CaptureModes()
+    real_cdll = pool_mod.ctypes.CDLL
+    monkeypatch.setattr(pool_mod.ctypes, "CDLL", lambda name, *a, **k: driver if name == "libcuda.so.1" else real_cdll(name, *a, **k))
+    monkeypatch.setattr(pool_mod.torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(pool_mod.torch.cuda, "cudart", lambda: driver)
+    pool_mod.HostMemory(threads=1).register(0x1000, 4096, 0)
+    assert driver.registered_in == [CaptureModes.RELAXED]
+    assert driver.mode == CaptureModes.GLOBAL
+
+
+def test_pinning_without_a_driver_still_registers(pool_mod, monkeypatch):
+    """No libcuda (a machine without the driver): no capture can be under way either."""
+    driver = CaptureModes()
+
+    def no_driver(name, *a, **k):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(pool_mod.ctypes, "CDLL", no_driver)
+    monkeypatch.setattr(pool_mod.torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(pool_mod.torch.cuda, "cudart", lambda: driver)
+    pool_mod.HostMemory.register(object.__new__(pool_mod.HostMemory), 0x1000, 4096, 0)
+    assert driver.registered_in == [CaptureModes.GLOBAL]

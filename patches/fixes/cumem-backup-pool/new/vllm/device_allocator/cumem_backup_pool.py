@@ -28,6 +28,7 @@ as vLLM 0.21.0 does.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -67,6 +68,34 @@ def enabled() -> bool:
 def pool_tags() -> tuple[str, ...]:
     raw = _env("VLLM_SM12X_BACKUP_POOL_TAGS", "weights")
     return tuple(t.strip() for t in raw.split(",") if t.strip())
+
+
+_CAPTURE_MODE_RELAXED = 2  # CU_STREAM_CAPTURE_MODE_RELAXED (cuda.h)
+
+
+@contextlib.contextmanager
+def relaxed_capture_mode():
+    """Let this thread's CUDA calls run while another thread captures a CUDA graph.
+
+    The pool pins while the engine goes on loading, and the engine captures its CUDA
+    graphs in the default (global) capture mode: there, cudaHostRegister from any other
+    thread is refused (error 900) and invalidates the capture, so graph capture failed
+    whenever the pinning was still running (vLLM 0.33.0's test_cudagraph_pool_sleep).
+    In relaxed mode this thread may make the call; it enqueues nothing on the capturing
+    stream. The thread's previous mode is put back."""
+    try:
+        exchange = ctypes.CDLL("libcuda.so.1").cuThreadExchangeStreamCaptureMode
+    except (OSError, AttributeError):  # no driver: no capture to disturb either
+        yield
+        return
+    exchange.argtypes = [ctypes.POINTER(ctypes.c_int)]
+    mode = ctypes.c_int(_CAPTURE_MODE_RELAXED)
+    relaxed = exchange(ctypes.byref(mode)) == 0
+    try:
+        yield
+    finally:
+        if relaxed:
+            exchange(ctypes.byref(mode))
 
 
 class HostMemory:
@@ -113,7 +142,8 @@ class HostMemory:
 
     def register(self, addr: int, nbytes: int, device: int) -> None:
         torch.cuda.set_device(device)
-        err = torch.cuda.cudart().cudaHostRegister(addr, nbytes, _HOST_REGISTER_DEFAULT)
+        with relaxed_capture_mode():
+            err = torch.cuda.cudart().cudaHostRegister(addr, nbytes, _HOST_REGISTER_DEFAULT)
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: CUDA error {int(err)}")
 
