@@ -26,7 +26,7 @@ from docker_support import (  # noqa: F401  (fixtures)
     standin_skew,
     unavailable,
 )
-from patchkit import make_patch, write_series
+from tools.patchkit import make_patch, write_series
 
 from sm12x_bundle import config as config_mod
 from sm12x_bundle.cli import main

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from patchkit import make_patch
+from tools.patchkit import make_patch
 from sm12x_bundle.errors import SeriesError
 from sm12x_bundle.series import sources
 
