@@ -140,7 +140,7 @@ class World:
     """A private folder tree for one case, with its canaries (see the module docstring)."""
 
     def __init__(self, root: Path, config: str, machine_cache: Path | None, pycache: Path | None = None):
-        from patchkit import make_patch
+        from tools.patchkit import make_patch
 
         self.root = root
         self.machine_cache = machine_cache

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from patchkit import make_patch, write_series
+from tools.patchkit import make_patch, write_series
 from sm12x_bundle.checks.check import Outcome, check_tree, exit_code
 from sm12x_bundle.errors import ApplyError, SeriesError
 from sm12x_bundle.outputs.tree import write_tree

@@ -22,7 +22,7 @@ from test_cumem_patches import LAYOUT, FakeCuda, assert_woken_intact, load_cumem
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = ROOT / "patches/fixes/cumem-backup-pool/new"  # in step with the patch: tests/test_patch_sources.py
+SOURCE = ROOT / "patches/fixes/cumem-backup-pool/new"  # in step with the patch: tests/test_generated.py
 MODULE = Path("vllm/device_allocator/cumem_backup_pool.py")
 MiB = 1 << 20
 

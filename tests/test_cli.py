@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from patchkit import make_patch, write_series
+from tools.patchkit import make_patch, write_series
 from sm12x_bundle.cli import COMMON_CODES, build_parser, command_exit_codes, main
 
 BODY = "".join(f"line {i}\n" for i in range(1, 31))

@@ -35,26 +35,31 @@ from sm12x_bundle.enginecheck import (
     protocol,
     releases,
     report,
-    rotation,
     scenarios,
     table,
 )
 from sm12x_bundle.enginecheck.bench import Finding
-from sm12x_bundle.enginecheck.ceilings import Ceilings
 from sm12x_bundle.enginecheck.model import GiB
 from sm12x_bundle.plan.files import installed_paths
 from sm12x_bundle.series.patch import load_series
 from sm12x_bundle.errors import ApplyError, ConfigError, EnvironmentProblem
 from sm12x_bundle.source import cache, fetch, index
+from tools.golden.engine_check import (
+    ALLOCATION,
+    H100,
+    WEIGHTS_7B,
+    WEIGHTS_13B,
+    compare_report,
+    compare_results,
+    cycles_figures,
+    rotation_figures,
+)
 
 STUBS = Path(__file__).parent / "stubs"
 FAKE_SESSION = (sys.executable, str(STUBS / "fake_engine_session.py"))
-GOLDEN = Path(__file__).parent / "golden" / "engine_check"
-UPDATE_GOLDEN = os.environ.get("SM12X_UPDATE_GOLDEN") == "1"
 # The real wheel, pinned by the sha256 PyPI's simple index (JSON form) lists for it.
 WHEEL = "vllm-0.21.0-1-cp38-abi3-manylinux_2_24_x86_64.whl"
 WHEEL_SHA256 = "f4a75b1391f44c67dc1ca268f5ffed9f6b7fdbc657c93db64e6892c5d1bc320b"
-H100 = {"free": 79 * GiB, "total": int(79.65 * GiB), "host": 120 * GiB}
 
 
 def cached_wheel() -> Path:
@@ -523,74 +528,6 @@ def test_a_call_the_scenario_needs_that_fails_ends_it_as_a_failure_with_the_engi
 
 # --- figures, targets, the verdict and the report ----------------------------------------------
 
-CEILINGS = Ceilings(4 * GiB, 55e9, 53e9)
-WEIGHTS_13B, WEIGHTS_7B = 26_031_728_640, 13_476_831_232
-ALLOCATION = ("Exception: Call to sleep method failed: CuMemAllocator: sleep failed to back up the allocation "
-              "(tag 'weights', 262144000 bytes) at 0x7f3a00000000: injected fault: out of host memory")
-
-
-def cycles_figures(sleeps: list[float], wakes: list[float]) -> dict:
-    core = {"engine_core": {"pid": 7, "rss_bytes": 30 * GiB, "locked_bytes": 0, "pinned_bytes": 0}}
-    figs = {"tokens_identical": True, "offloaded_bytes": WEIGHTS_13B, "sleeps_s": sleeps, "wakes_s": wakes,
-            "freed_bytes": [39 * GiB] * 3, "pool_bytes": 39 * GiB, "distinct_tokens": 57, "host_awake": core,
-            "host_asleep": core}
-    scenarios.speed_figures(CEILINGS, figs)
-    return figs
-
-
-def rotation_figures(first: float, steady: list[float]) -> dict:
-    swaps = [{"sleep_s": t / 2, "wake_s": t / 2} for t in [first, *steady]]
-    figs = {"tokens_identical": True, "swaps": swaps, "a_moved_bytes": WEIGHTS_7B, "b_moved_bytes": WEIGHTS_7B}
-    rotation.rotation_figures(CEILINGS, figs)
-    return figs
-
-
-def checks(*held: tuple[str, bool]) -> dict:
-    return {name: {"held": ok, "words": "ok" if ok else "not so"} for name, ok in held}
-
-
-def survived_result(key: str, tree: str, survived: bool) -> report.ScenarioResult:
-    if survived:
-        return report.ScenarioResult(key, tree, "pass", "survived", 60, {"tokens_identical": True, "survived": True,
-                                     "error": ALLOCATION}, checks(("the failure names the allocation", True)))
-    return report.ScenarioResult(key, tree, "fail", "generate after the failed sleep failed: engine core died", 90,
-                                 {"survived": False, "error": "Exception: Call to sleep method failed: injected fault"},
-                                 checks(("the failure names the allocation", False)))
-
-
-def compare_results() -> list[report.ScenarioResult]:
-    r = report.ScenarioResult
-    return [
-        r("a", "pristine", "pass", "identical tokens", 120, cycles_figures([18.7, 0.51, 0.51], [0.59] * 3)),
-        r("a", "patched", "pass", "identical tokens", 90, cycles_figures([0.51, 0.5, 0.5], [0.59] * 3)),
-        r("b", "pristine", "pass", "identical tokens", 80, {"tokens_identical": True, "reload": "the dummy loader"}),
-        r("b", "patched", "pass", "identical tokens", 80, {"tokens_identical": True, "reload": "the dummy loader"}),
-        r("c", "pristine", "pass", "identical tokens", 200, rotation_figures(16.1, [0.63] * 5)),
-        r("c", "patched", "pass", "identical tokens", 150, rotation_figures(0.61, [0.60, 0.61, 0.60, 0.62, 0.60])),
-        survived_result("d1", "pristine", False), survived_result("d1", "patched", True),
-        survived_result("d2", "pristine", False), survived_result("d2", "patched", True),
-        r("e", "pristine", "pass", "identical tokens", 100, {"tokens_identical": True}),
-        r("e", "patched", "pass", "identical tokens", 100, {"tokens_identical": True}),
-    ]
-
-
-def compare_report(results: list | None = None, quick: bool = False) -> report.Report:
-    sizes = plan.plan_sizes(plan.SCENARIOS, *H100.values())
-    return report.Report(
-        mode="compare", quick=quick, lane="0.21.0",
-        install={"root": "/opt/P", "version": "0.21.0", "version_from": "/opt/P/vllm-0.21.0.dist-info/METADATA"},
-        card={"index": 0, "name": "NVIDIA H100 80GB HBM3", "driver": "580.95.05", "total_bytes": H100["total"],
-              "free_bytes": H100["free"], "used_bytes": GiB // 2},
-        date="2026-11-26T10:00:00+00:00",
-        trees=[{"label": "pristine", "root": "/opt/P", "path": ["/opt/P"]},
-               {"label": "patched", "root": "/w/patched", "path": ["/w/patched", "/opt/P"]}],
-        sizes=sizes.to_dict(), ceilings=CEILINGS.to_dict(), results=compare_results() if results is None else results,
-        copy={"root": "/w/patched", "linked": 3194, "copied": 0, "replaced": [{"path": "vllm/envs.py"}] * 14},
-        cleanup={"used_before_bytes": GiB // 2, "used_after_bytes": GiB // 2, "released": True},
-        versions={label: {"vllm": "0.21.0", "torch": "2.11.0+cu130"} for label in ("pristine", "patched")},
-    )
-
-
 def test_speed_figures_set_each_sleep_and_wake_against_the_ceilings():
     figs = cycles_figures([0.51, 0.5, 0.48], [0.59, 0.6, 0.62])
     assert figs["first_sleep_ratio"] == pytest.approx(WEIGHTS_13B / 55e9 / 0.51)
@@ -639,16 +576,6 @@ def test_pristine_failing_where_patched_holds_is_the_proof_and_exits_0():
     doc = json.loads(report.to_json(rep))
     assert doc["holds"] and doc["exit_code"] == 0 and doc["not_holding"] == []
     assert doc["card"]["name"] == "NVIDIA H100 80GB HBM3" and doc["date"].startswith("2026-11-26")
-
-
-def test_the_report_table(tmp_path):
-    text = table.table(compare_report())
-    path = GOLDEN / "compare.txt"
-    if UPDATE_GOLDEN:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    assert path.is_file(), f"{path} missing: run with SM12X_UPDATE_GOLDEN=1"
-    assert text == path.read_text(), "the table differs from the golden file (SM12X_UPDATE_GOLDEN=1 refreshes it)"
 
 
 def replaced(results: list, key: str, tree: str, **changes) -> list:

@@ -23,7 +23,7 @@ from fuzzkit import (
     check_patch,
 )
 from hypothesis import HealthCheck, Phase, given, settings
-from patchkit import make_patch
+from tools.patchkit import make_patch
 
 from sm12x_bundle import config as config_mod
 from sm12x_bundle.errors import ConfigError, FetchError, SeriesError

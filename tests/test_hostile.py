@@ -37,7 +37,7 @@ from hostilekit import (
     run_all,
     settled_cache,
 )
-from patchkit import make_patch
+from tools.patchkit import make_patch
 from test_bad_input import BASE, ROWS, argv_of
 
 from sm12x_bundle.source import cache as cache_mod

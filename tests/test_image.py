@@ -1,8 +1,8 @@
 """The bundle image: plan, render, labels, skew (a fake engine, no daemon), golden
 Dockerfiles, and real builds on stand-in images (marker docker, docker_support.py).
 
-Refresh the golden files with SM12X_UPDATE_GOLDEN=1 after an intended change, and
-review the diff.
+The golden Dockerfiles are rendered by ``bin/regenerate`` from tools/golden/image.py, the
+example these tests plan too; tests/test_generated.py fails while one differs from its render.
 """
 
 from __future__ import annotations
@@ -26,13 +26,27 @@ from docker_support import (  # noqa: F401  (fixtures)
     standin_skew,
     unavailable,
 )
-from patchkit import make_patch, write_series
+from tools.golden.image import (
+    BASE_DIGEST,
+    BASE_ID,
+    COMPAT,
+    CPP_NEW,
+    CUMEM_NEW,
+    CUMEM_OLD,
+    EPOCH,
+    example_context,
+    fake_base,
+    fake_target,
+    make_plan,
+    write_example_series,
+    write_tree,
+)
+from tools.patchkit import make_patch, write_series
 
 from sm12x_bundle import config as config_mod
 from sm12x_bundle.cli import main
-from sm12x_bundle.config import TargetConfig
 from sm12x_bundle.context import Context
-from sm12x_bundle.containers import OFFICIAL_VLLM_ROOT, ImageFile
+from sm12x_bundle.containers import OFFICIAL_VLLM_ROOT
 from sm12x_bundle.errors import (
     ApplyError,
     CommandError,
@@ -45,22 +59,8 @@ from sm12x_bundle import containers as containers_mod
 from sm12x_bundle.outputs import dockerfile, image, manifest, native_build, verify
 from sm12x_bundle.outputs.tree import patched_files
 from sm12x_bundle.plan import files as plan_files
-from sm12x_bundle.plan import originals as plan_originals
-from sm12x_bundle.plan import target as plan_target
 from sm12x_bundle.progress import Progress
 from sm12x_bundle.series.patch import load_series
-
-GOLDEN = Path(__file__).parent / "golden" / "image"
-UPDATE_GOLDEN = os.environ.get("SM12X_UPDATE_GOLDEN") == "1"
-EPOCH = {"SOURCE_DATE_EPOCH": "1790000000"}
-BASE_ID = "sha256:" + "b" * 64
-BASE_DIGEST = "sha256:" + "e" * 64  # its manifest digest, as a registry would report it
-
-CUMEM_OLD = "".join(f"line {n}\n" for n in range(1, 12))
-CUMEM_NEW = CUMEM_OLD.replace("line 6\n", "line 6 (fixed)\n")
-CPP_OLD = '#include "cumem_allocator_compat.h"\n' + "".join(f"int v{n} = {n};\n" for n in range(10))
-CPP_NEW = CPP_OLD.replace("int v5 = 5;\n", "int v5 = 55;\n")
-COMPAT = "#pragma once\n#include <cuda.h>\n"
 
 
 def sha(data: bytes) -> str:
@@ -72,75 +72,17 @@ def sha(data: bytes) -> str:
 
 @pytest.fixture
 def tree(tmp_path) -> Path:
-    root = tmp_path / "vllm-0.21.0"
-    files = {
-        "PKG-INFO": "Metadata-Version: 2.1\nName: vllm\nVersion: 0.21.0\n",
-        "vllm/__init__.py": "",
-        "vllm/device_allocator/cumem.py": CUMEM_OLD,
-        "csrc/cumem_allocator.cpp": CPP_OLD,
-        "csrc/cumem_allocator_compat.h": COMPAT,
-    }
-    for rel, text in files.items():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_text(text)
-    return root
-
-
-def native_headers(**extra: str) -> dict[str, str]:
-    return {"Sm12x_Kind": "native", "Sm12x_Builds": "vllm/cumem_allocator.abi3.so", **extra}
+    return write_tree(tmp_path)
 
 
 @pytest.fixture
 def series_file(tmp_path) -> Path:
-    return write_series(
-        tmp_path / "patches",
-        {
-            "0001-cumem-fix.patch": make_patch(
-                {"vllm/device_allocator/cumem.py": (CUMEM_OLD, CUMEM_NEW)}, "cumem fix", Last_Update="2026-11-20"
-            ),
-            "0002-native-fix.patch": make_patch(
-                {"csrc/cumem_allocator.cpp": (CPP_OLD, CPP_NEW)}, "native fix", **native_headers()
-            ),
-        },
-    )
+    return write_example_series(tmp_path)
 
 
 @pytest.fixture
 def ctx(tmp_path, tree, series_file) -> Context:
-    text = (
-        f"pin:\n  version: '0.21.0'\n  source: {tree}\nseries: {series_file}\n"
-        "image:\n  base: example/vllm-openai:v0.21.0\n  tag: example/bundle:test\n"
-    )
-    # A cache of its own: the fake images reuse ids for other content.
-    return Context(config_mod.parse(text, "test.yaml", tmp_path), Progress.quiet(), tmp_path / "cache")
-
-
-def fake_base(ctx: Context, **changes) -> image.BaseImage:
-    return dataclasses.replace(image.BaseImage(ctx.config.image.base, BASE_ID, BASE_DIGEST), **changes)
-
-
-def fake_target(ctx: Context, pre_images=None, **side_changes) -> plan_target.TargetPlan:
-    """The base planned as a target, its files the pinned tree's (``pre_images`` replaces some)."""
-    cfg = ctx.config.image
-    t = TargetConfig(name=cfg.tag, image=cfg.base, root=OFFICIAL_VLLM_ROOT, pinned=True)
-    side = plan_originals.pinned_side(t, ctx.source())
-    tree_read = side.read
-
-    def read(paths):
-        got = tree_read(paths)
-        for path, data in (pre_images or {}).items():
-            if path in got:
-                got[path] = None if data is None else ImageFile(data, 0o644)
-        return got
-
-    fields = {"image_id": BASE_ID, "import_error": "ModuleNotFoundError: torch", "bytecode": {}, "read": read}
-    side = dataclasses.replace(side, **{**fields, **side_changes})
-    return plan_target.plan_lane(t, ctx.lanes[0], side, ctx.source, BASE_ID)
-
-
-def make_plan(ctx: Context, env=EPOCH, labels=None, **side_changes) -> image.BundlePlan:
-    base = fake_base(ctx, labels=labels or {})
-    return image.plan_bundle(ctx.config.image, fake_target(ctx, **side_changes), ctx.source(), base, env)
+    return example_context(tmp_path, tree, series_file)
 
 
 # --- a fake engine ---------------------------------------------------------------------
@@ -375,22 +317,6 @@ def test_skew_is_refused_naming_the_file(ctx):
 
 
 # --- rendering ---------------------------------------------------------------------------
-
-
-def test_golden_dockerfiles(ctx):
-    plan = make_plan(ctx, bytecode={"vllm/device_allocator/cumem.py": [
-        OFFICIAL_VLLM_ROOT + "/device_allocator/__pycache__/cumem.cpython-312.pyc"]})
-    rendered = {
-        "Dockerfile.builder": native_build.builder_dockerfile(plan.builder),
-        "Dockerfile.bundle": image.bundle_dockerfile(plan),
-    }
-    for name, text in rendered.items():
-        path = GOLDEN / name
-        if UPDATE_GOLDEN:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-        assert path.is_file(), f"{path} missing: run with SM12X_UPDATE_GOLDEN=1"
-        assert text == path.read_text(), f"{name} differs from the golden file (SM12X_UPDATE_GOLDEN=1 refreshes it)"
 
 
 def test_classic_builder_syntax_only(ctx):

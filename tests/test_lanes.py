@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from patchkit import make_patch, write_series
+from tools.patchkit import make_patch, write_series
 from sm12x_bundle import config as config_mod
 from sm12x_bundle.cli import main
 from sm12x_bundle.context import Context

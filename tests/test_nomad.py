@@ -6,7 +6,9 @@ constraints, update, services and checks, artifacts, resources); the two views m
 Each reducer consumes every key it reads and fails on any key left over, so a field that only
 one of the two forms carries cannot slip through.
 
-Refresh the golden files with SM12X_UPDATE_GOLDEN=1 after an intended change, and review the diff.
+The golden files and the committed examples are rendered by ``bin/regenerate`` from
+tools/golden/nomad.py and the embedded default config; tests/test_generated.py fails while
+one differs from its render.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
 import re
 from pathlib import Path
 
@@ -28,107 +29,12 @@ from sm12x_bundle import jobs
 from sm12x_bundle.errors import ConfigError
 from sm12x_bundle.outputs import nomad
 from sm12x_bundle.plan import files as plan_files
+from tools.golden.nomad import GOLDEN as GOLDEN_JOBS
+from tools.golden.nomad import ARTIFACT_JOB, HOST_JOB, ROOT, TARGETS, manifest, render
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden" / "nomad"
 EXAMPLES = REPO / "nomad"
-UPDATE_GOLDEN = os.environ.get("SM12X_UPDATE_GOLDEN") == "1"
-ROOT = "/usr/local/lib/python3.12/dist-packages/vllm"
-
-
-def _sha(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def manifest() -> dict:
-    """A two-file manifest in the docs/design.md schema (hashes of stand-in bytes)."""
-    files = [
-        ("/device_allocator/cumem.py", ["cumem-stream-aware-free", "cumem-wake-up-rollback"], "0644"),
-        ("/cumem_allocator.abi3.so", ["cumem-error-code-reset"], "0755"),
-    ]
-    entries = [
-        {
-            "container_path": ROOT + rel,
-            "source": "files" + ROOT + rel,
-            "pre_image_sha256": _sha("original " + rel),
-            "sha256": _sha("patched " + rel),
-            "patches": patches,
-            "mode": mode,
-        }
-        for rel, patches, mode in files
-    ]
-    return {
-        "schema": 1,
-        "target": "vllm-openai-v0.21.0",
-        "image": "vllm/vllm-openai:v0.21.0",
-        "image_id": None,
-        "vllm_root": ROOT,
-        "versions": {"vllm": "0.21.0", "torch": None, "triton": None, "flashinfer": None, "deep_gemm": None},
-        "pin": {"version": "0.21.0", "sha256": "05ff89c3e926b88b77d7878e317a659ffba678afc21c1d48952037aa5457f058"},
-        "series_sha256": _sha("series"),
-        "content_hash": "0123456789abcdef",
-        "files": sorted(entries, key=lambda f: f["container_path"]),
-    }
-
-
-TARGETS = """\
-targets:
-  - name: vllm-openai-v0.21.0
-    image: vllm/vllm-openai:v0.21.0
-    pinned: true
-"""
-
-HOST_JOB = """\
-  - name: host-job
-    model: /models/DeepSeek-V4-Flash
-    served_model_name: deepseek-v4-flash
-    target: vllm-openai-v0.21.0
-    tensor_parallel_size: 4
-    gpus: 4
-    gpu_allocation: device
-    gpu_model: "RTX PRO 6000"
-    gpu_memory_utilization: 0.70
-    non_cumem_gib: 22
-    peer_residue_gib: 4.8
-    port: 8001
-    max_model_len: 131072
-    extra_args: ["--max-num-seqs", "12"]
-    env: {HF_HUB_OFFLINE: "1"}
-    host_mounts: {/models: /srv/models}
-    overlay_delivery: host
-    load_time_s: 1200
-"""
-
-ARTIFACT_JOB = """\
-  - name: artifact-job
-    model: /models/MiMo-V2.5-Flash
-    target: vllm-openai-v0.21.0
-    tensor_parallel_size: 4
-    gpus: 4
-    gpu_allocation: shared
-    gpu_ids: ["0", "1", "2", "3"]
-    node_constraints: {"${meta.gpu_pool}": rtx-pro-6000-tp4-a}
-    gpu_memory_utilization: 0.70
-    non_cumem_gib: 22
-    peer_residue_gib: 4.8
-    port: 8002
-    overlay_delivery: artifact
-    artifact_base_url: https://overlays.example.internal/sm12x/
-    service_provider: consul
-    readonly_rootfs: true
-"""
-
-
-def parse(text: str) -> config_mod.Config:
-    return config_mod.parse(text, "cfg.yaml", Path("/base"))
-
-
-def jobs_config(*jobs: str) -> config_mod.Config:
-    return parse(TARGETS + "jobs:\n" + "".join(jobs))
-
-
-def render(*jobs: str, m: dict | None = None) -> dict[str, bytes]:
-    return nomad.render_jobs(jobs_config(*jobs), {"vllm-openai-v0.21.0": m or manifest()})
 
 
 # --- normalised views of the two forms -------------------------------------------
@@ -433,22 +339,10 @@ def assert_same_job(hcl_bytes: bytes, json_bytes: bytes) -> dict:
 # --- golden files -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("job", [HOST_JOB, ARTIFACT_JOB], ids=["host", "artifact"])
-def test_golden(job):
-    files = render(job)
-    assert len(files) == 2
-    for name, data in files.items():
-        path = GOLDEN / name
-        if UPDATE_GOLDEN:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data)
-        assert path.is_file(), f"{path} missing: run with SM12X_UPDATE_GOLDEN=1"
-        assert data == path.read_bytes(), f"{name} differs from the golden file (SM12X_UPDATE_GOLDEN=1 refreshes it)"
-
-
 def test_golden_pairs_describe_the_same_job():
+    """Their bytes are the renders of tools/golden/nomad.py (tests/test_generated.py)."""
     names = sorted(p.name.removesuffix(".nomad.hcl") for p in GOLDEN.glob("*.nomad.hcl"))
-    assert names == ["artifact-job", "host-job"]
+    assert names == sorted(GOLDEN_JOBS) == ["artifact-job", "host-job"]
     for name in names:
         assert_same_job((GOLDEN / f"{name}.nomad.hcl").read_bytes(), (GOLDEN / f"{name}.nomad.json").read_bytes())
 
@@ -572,13 +466,6 @@ def test_example_hcl_and_json_describe_the_same_job(name):
     assert view["job"]["id"] == name
 
 
-def test_examples_are_rendered_from_the_committed_config():
-    cfg = config_mod.parse(config_mod.default_text(), "<embedded default>", EXAMPLES)
-    manifests = nomad.find_manifests(cfg, [EXAMPLES / "example-manifest.json"])
-    for name, data in nomad.render_jobs(cfg, manifests).items():
-        assert data == (EXAMPLES / name).read_bytes(), f"nomad/{name} is stale: rerun the command in nomad/README.md"
-
-
 def test_example_manifest_matches_the_pinned_series(patched_tree, pinned_tree, series):
     """The example manifest's cumem.py hashes are the pinned file's and the series' result;
     every file keeps the pinned tree's mode (envs.py is 0755 there)."""
@@ -590,7 +477,7 @@ def test_example_manifest_matches_the_pinned_series(patched_tree, pinned_tree, s
     # the rebuilt extension and every Python file the series changes or adds
     assert sorted(overlaid) == sorted(p.removeprefix("vllm") for p in [*plan.files, *(b.artifact for b in plan.native)])
     assert m["files"][overlaid.index("/envs.py")]["mode"] == "0755"
-    assert m["series_sha256"] == series.sha256, "nomad/example-manifest.json is stale: rerun nomad/README.md's commands"
+    assert m["series_sha256"] == series.sha256, "nomad/example-manifest.json is stale: make it again as nomad/README.md says"
     for entry in m["files"]:
         rel = entry["container_path"].removeprefix("/usr/local/lib/python3.12/dist-packages/")
         if rel.endswith(".so"):

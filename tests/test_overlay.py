@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from patchkit import make_patch, write_series
+from tools.patchkit import make_patch, write_series
 
 from sm12x_bundle import containers as engine_mod
 from sm12x_bundle.cli import main

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from patchkit import make_patch, write_series
+from tools.patchkit import make_patch, write_series
 from sm12x_bundle.errors import SeriesError
 from sm12x_bundle.series.patch import load_series, parse_patch
 

@@ -2,7 +2,7 @@
 
 The kernels are loaded by path from their source in this repository
 (patches/fixes/triton-sparse-mla-fallback/new/, which the patch carries; the
-patch is kept in step by tests/test_patch_sources.py), without importing vLLM,
+patch is kept in step by tests/test_generated.py), without importing vLLM,
 and checked against a float64 reference on fresh random data. Without a GPU
 they run under Triton's CPU interpreter (TRITON_INTERPRET=1) at small shapes.
 The fp8_ds_mla cache is packed here, byte by byte, following the layout:

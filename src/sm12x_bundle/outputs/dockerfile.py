@@ -13,8 +13,8 @@ import re
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
+from ..containers import Engine
 from ..errors import ConfigError, VerifyError
 from ..fsutil import replace_dir
 
@@ -35,7 +35,7 @@ def from_reference(image: str) -> str:
     return f"{PIN_REPOSITORY}:{m.group(1)}" if m else image
 
 
-def pin_locally(engine: Any, image: str) -> str:
+def pin_locally(engine: Engine, image: str) -> str:
     """Make :func:`from_reference`'s tag exist in the daemon (for an id); return the reference."""
     ref = from_reference(image)
     if ref != image:

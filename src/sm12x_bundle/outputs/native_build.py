@@ -22,6 +22,7 @@ it was built (``built_on``: ``"builder image <id>"`` or ``"host"``) and from wha
 
 from __future__ import annotations
 
+import enum
 import re
 import shlex
 import shutil
@@ -32,6 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import cmd, native
+from ..config import TargetConfig
+from ..containers import Engine
+from ..context import Context
 from ..errors import CommandError, ConfigError, VerifyError
 from ..plan.native import BuilderPlan, NativePlan
 from ..plan.originals import connect
@@ -67,7 +71,7 @@ class NativeArtifact:
 
 def build_native(
     plan: NativePlan,
-    engine: Any | None,
+    engine: Engine | None,
     versions: Mapping[str, str | None],
     label: str,
     work: Path,
@@ -89,10 +93,13 @@ def build_native(
     return NativeArtifact(plan.artifact, data, plan.patches, record)
 
 
-_ASK = object()  # preflight's engine: ask the daemon
+class _Ask(enum.Enum):
+    DAEMON = "ask the daemon"  # preflight's engine when the caller has not asked yet
 
 
-def preflight(ctx: Any, targets: Sequence[Any] | None = None, engine: Any = _ASK) -> None:
+def preflight(
+    ctx: Context, targets: Sequence[TargetConfig] | None = None, engine: Engine | None | _Ask = _Ask.DAEMON
+) -> None:
     """Before anything is fetched or written: when this machine will build the cumem extension
     (a pinned target with no image to build it in), everything that build needs is here, else
     EnvironmentProblem (exit 12) names what is missing and how to get it. ``build`` (and
@@ -100,7 +107,7 @@ def preflight(ctx: Any, targets: Sequence[Any] | None = None, engine: Any = _ASK
     targets = list(ctx.config.targets) if targets is None else targets
     if not any(t.pinned for t in targets):
         return
-    if engine is _ASK:
+    if isinstance(engine, _Ask):
         engine = connect(False, Progress.quiet())
     on_host = built_on_host(ctx, targets, engine)
     if on_host:
@@ -129,7 +136,7 @@ def builder_context(builder: BuilderPlan) -> ContextFiles:
 
 
 def build_in_builder(
-    engine: Any, builder: BuilderPlan, workdir: Path, progress: Progress, force: bool = False
+    engine: Engine, builder: BuilderPlan, workdir: Path, progress: Progress, force: bool = False
 ) -> tuple[bytes, dict[str, Any]]:
     """Build the extension alone (Dockerfile.builder in ``builder.base``); return it and its record."""
     files = builder_context(builder)

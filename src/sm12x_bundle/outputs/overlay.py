@@ -29,7 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import fsutil
-from ..config import TargetConfig
+from ..config import Config, TargetConfig
+from ..containers import Engine
+from ..context import Context
 from ..fsutil import replace_dir, write_file
 from ..plan.files import InstalledFile
 from ..plan.originals import connect
@@ -193,12 +195,12 @@ def check_output(overlays: Sequence[Overlay], out: Path, force: bool = False) ->
     fsutil.check_destinations(targets + versions, force)
 
 
-def overlays_root(ctx: Any, out: Path | None) -> Path:
+def overlays_root(ctx: Context, out: Path | None) -> Path:
     """``--out``, else output.overlays; '' and the like are refused, never taken as '.'."""
     return fsutil.refuse_protected(ctx.config.output.overlays if out is None else out, "overlays folder")
 
 
-def planned_overlays(config: Any) -> list[str]:
+def planned_overlays(config: Config) -> list[str]:
     """Where each target's overlay goes and which lane makes it, from the config alone
     (``build --dry-run``: no daemon is asked, nothing is read)."""
     lanes = [lane.version for lane in config.lanes]
@@ -249,13 +251,13 @@ def write_overlays(
 # --- make and write: what `overlay` and `build` both run ----------------------------------
 
 
-def make_overlays(ctx: Any, targets: Sequence[TargetConfig], engine: Any | None, need_image: bool) -> list[Overlay]:
+def make_overlays(ctx: Context, targets: Sequence[TargetConfig], engine: Engine | None, need_image: bool) -> list[Overlay]:
     """Every target's overlay, in memory: any error here leaves nothing written."""
     return [make_overlay(plan_target(ctx, t, engine, need_image=need_image), ctx.progress) for t in targets]
 
 
 def make_and_write(
-    ctx: Any,
+    ctx: Context,
     targets: list[TargetConfig] | None = None,
     *,
     verify: bool | None = None,
@@ -277,7 +279,7 @@ def make_and_write(
 
 
 def make_and_write_reports(
-    ctx: Any, targets: Sequence[TargetConfig] | None, verify: bool | None, out: Path | None, force: bool = False
+    ctx: Context, targets: Sequence[TargetConfig] | None, verify: bool | None, out: Path | None, force: bool = False
 ) -> tuple[list[tuple[Overlay, Path]], list[Verified]]:
     targets = checked_targets(ctx.config, list(ctx.config.targets) if targets is None else targets)
     out = overlays_root(ctx, out)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..containers import Engine, Mount
 from ..errors import VerifyError
 from ..plan.files import module_name, read_or_none, sha256_of
 from . import native_build
@@ -217,7 +218,7 @@ say("done", json.dumps(counts))
 # --- an overlay in its image --------------------------------------------------
 
 
-def verify_overlay(engine: Any, folder: Path, image: str | None = None) -> Verified:
+def verify_overlay(engine: Engine, folder: Path, image: str | None = None) -> Verified:
     """Check the overlay in ``folder`` against ``image`` (default: the one it was made for)."""
     folder, manifest = load_manifest(folder)
     ref = image or manifest["image"]
@@ -235,7 +236,7 @@ def verify_overlay(engine: Any, folder: Path, image: str | None = None) -> Verif
     return report
 
 
-def check_pre_images(engine: Any, ref: str, manifest: dict[str, Any]) -> list[str]:
+def check_pre_images(engine: Engine, ref: str, manifest: dict[str, Any]) -> list[str]:
     """Refuse an image whose originals are not the ones the overlay was made from."""
     paths = [f["container_path"] for f in manifest["files"]]
     found = engine.read_files(ref, paths)
@@ -266,10 +267,8 @@ def check_host_copies(folder: Path, manifest: dict[str, Any]) -> None:
             raise VerifyError(f"{path} is missing or differs from its manifest (sha256 {f['sha256']})")
 
 
-def verify_plan(folder: Path, manifest: dict[str, Any], tmp: Path) -> tuple[list[Any], dict[str, Any]]:
+def verify_plan(folder: Path, manifest: dict[str, Any], tmp: Path) -> tuple[list[Mount], dict[str, Any]]:
     """The mounts and the in-container script's input for one overlay."""
-    from ..containers import Mount
-
     mounts = [Mount((folder / f["source"]).resolve(), f["container_path"]) for f in manifest["files"]]
     spec = verify_spec(manifest, libdir=_LIBDIR)
     if spec["native"]:

@@ -18,7 +18,7 @@ from typing import Any
 
 from .. import containers as engines
 from ..config import TargetConfig
-from ..containers import ImageFile, probe_vllm
+from ..containers import Engine, ImageFile, probe_vllm
 from ..errors import ConfigError, EngineError
 from ..fsutil import write_file
 from ..progress import Progress
@@ -35,7 +35,7 @@ class ImageSide:
     root: str
     versions: dict[str, str | None]
     read: Callable[[list[str]], dict[str, ImageFile | None]] = field(repr=False)
-    engine: Any = field(default=None, repr=False)  # what it was read through (None: the pinned tree)
+    engine: Engine | None = field(default=None, repr=False)  # what it was read through (None: the pinned tree)
     import_error: str | None = "not asked (the pinned tree)"  # None: `import vllm` works in the image
     bytecode: dict[str, list[str]] | None = None  # vllm/... path -> the image's .pyc of it; None: not asked
 
@@ -48,7 +48,7 @@ class ImageSide:
 
 
 def image_side(
-    engine: Any, target: TargetConfig, paths: Sequence[str] = (), cache: Path | None = None
+    engine: Engine, target: TargetConfig, paths: Sequence[str] = (), cache: Path | None = None
 ) -> ImageSide:
     """Ask the image: its id, its vLLM root (unless the target says), versions, and the
     files at ``paths`` (tree paths), all in one container.
@@ -83,7 +83,7 @@ def image_side(
     )
 
 
-def _read_image(engine: Any, ref: str, paths: list[str], store: ImageCache | None) -> dict[str, ImageFile | None]:
+def _read_image(engine: Engine, ref: str, paths: list[str], store: ImageCache | None) -> dict[str, ImageFile | None]:
     if not paths:
         return {}
     return store.read(engine, ref, paths) if store else engine.read_entries(ref, paths)
@@ -122,7 +122,7 @@ class ImageCache:
             else:
                 write_file(self.folder / "entries" / path.lstrip("/"), f.data, f.mode, what=_CACHED)
 
-    def read(self, engine: Any, ref: str, paths: list[str]) -> dict[str, ImageFile | None]:
+    def read(self, engine: Engine, ref: str, paths: list[str]) -> dict[str, ImageFile | None]:
         known: dict[str, ImageFile | None] = {}
         for path in paths:
             blob, absent = self.folder / "entries" / path.lstrip("/"), self.folder / "absent" / path.lstrip("/")
@@ -163,7 +163,7 @@ def _entry_or_none(path: Path) -> ImageFile | None:
     return None if data is None else ImageFile(data, path.stat().st_mode & 0o777)
 
 
-def connect(need: bool, progress: Progress) -> Any | None:
+def connect(need: bool, progress: Progress) -> Engine | None:
     """The Docker engine, or None when no daemon answers and none is needed."""
     engine = engines.docker_engine()  # looked up at call time: tests put a fake engine there
     try:

@@ -15,9 +15,10 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ..config import Config, TargetConfig
+from ..containers import Engine, ImageFile
+from ..context import Context
 from ..errors import ConfigError, EngineError, SeriesError
 from ..progress import Progress
 from ..series.lane import Lane
@@ -80,7 +81,7 @@ def target_name_for(image: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", image).strip("-._") or "image"
 
 
-def image_cache_dir(ctx: Any) -> Path:
+def image_cache_dir(ctx: Context) -> Path:
     """Where files read out of images are kept, by image id (beside the sdists)."""
     return (ctx.cache_dir or cache_mod.cache_dir()) / "images"
 
@@ -155,9 +156,9 @@ class TargetPlan:
 
 
 def plan_target(
-    ctx: Any,
+    ctx: Context,
     target: TargetConfig,
-    engine: Any | None,
+    engine: Engine | None,
     *,
     need_image: bool = False,
     builder_base: str | None = None,
@@ -214,7 +215,7 @@ def plan_lane(
     )
 
 
-def _side(ctx: Any, target: TargetConfig, engine: Any | None, lanes: Sequence[Lane], need_image: bool) -> ImageSide:
+def _side(ctx: Context, target: TargetConfig, engine: Engine | None, lanes: Sequence[Lane], need_image: bool) -> ImageSide:
     """The image when it is there; the named lane's pinned tree for a pinned target when it is not."""
     if engine is not None:
         try:
@@ -230,7 +231,7 @@ def _side(ctx: Any, target: TargetConfig, engine: Any | None, lanes: Sequence[La
     return pinned_side(target, ctx.source(lane_named(lanes, target).version))
 
 
-def built_on_host(ctx: Any, targets: Sequence[TargetConfig], engine: Any | None) -> list[str]:
+def built_on_host(ctx: Context, targets: Sequence[TargetConfig], engine: Engine | None) -> list[str]:
     """The targets whose native artifacts this machine will build, known before anything is
     fetched: what :func:`_side` decides (a pinned target whose image no daemon holds stands in
     with its pinned tree, built on the host), for a lane that has a native patch."""
@@ -243,7 +244,7 @@ def built_on_host(ctx: Any, targets: Sequence[TargetConfig], engine: Any | None)
     return names
 
 
-def _has_image(engine: Any, ref: str) -> bool:
+def _has_image(engine: Engine, ref: str) -> bool:
     try:
         engine.image_id(ref)
     except EngineError:
@@ -268,7 +269,7 @@ def _native_plans(
     return tuple(p for p in plans if p is not None)
 
 
-def _sha(original: Any) -> str | None:
+def _sha(original: ImageFile | None) -> str | None:
     return sha256_of(None if original is None else original.data)
 
 

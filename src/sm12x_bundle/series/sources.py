@@ -11,8 +11,8 @@ A lane's patch ``patches/<version>/NNNN-<fix>.patch`` draws on ``patches/fixes/<
   patch's header (after Description; the probes last) and leaves Description, Last-Update,
   Sm12x-Kind and Sm12x-Builds, which say what that lane's patch changes, as they are.
 
-The series stays a plain quilt / ``git am`` series. ``bin/refresh-patch-sources`` runs both;
-``tests/test_patch_sources.py`` fails while a patch and its fix's folder or file differ.
+The series stays a plain quilt / ``git am`` series. ``bin/regenerate`` runs both on every
+lane's patch; ``tests/test_generated.py`` fails while a patch and its fix's folder or file differ.
 """
 
 from __future__ import annotations
@@ -200,16 +200,20 @@ def _with_fix(patch: Path, text: str) -> str:
     return text
 
 
+def refreshed(patch: Path) -> bytes:
+    """``patch``'s bytes in step with its fix's ``new/`` folder and ``upstream`` file."""
+    return _with_fix(patch, patch.read_bytes().decode()).encode()
+
+
 def refresh(patch: Path, check: bool = False) -> bool:
     """Bring ``patch`` in step with its fix's ``new/`` folder and ``upstream`` file; True
     when it already was.
 
     With ``check``, only compare. The patch is rewritten only when its bytes change.
     """
-    text = patch.read_bytes().decode()
-    new = _with_fix(patch, text)
-    if new == text:
+    new = refreshed(patch)
+    if new == patch.read_bytes():
         return True
     if not check:
-        patch.write_bytes(new.encode())
+        patch.write_bytes(new)
     return False

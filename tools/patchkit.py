@@ -1,4 +1,5 @@
-"""Build small git-format-patch files in tests, from before/after text (pure Python)."""
+"""Build small git-format-patch files from before/after text (pure Python): for the tests,
+and for the example series the golden image files are rendered from (tools/golden/image.py)."""
 
 from __future__ import annotations
 

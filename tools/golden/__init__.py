@@ -1,0 +1,1 @@
+"""The inputs the golden files under tests/golden/<kind>/ are rendered from, one module per kind."""
