@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Reproduce docs/gpu-validation.md: the selftest comparison (pristine vLLM 0.21.0 against
-# the patched tree) and the cumem benchmarks, on one CUDA GPU. The doc's two extra commands
-# (the free bench with --rounds 4, the speed scenario alone at 16 GiB) are run by hand.
+# Reproduce the runs of the H200 notebook, docs/records/gpu-validation-log-2026-11-21-to-23.md:
+# the selftest comparison (pristine vLLM 0.21.0 against the patched tree) and the cumem
+# benchmarks, on one CUDA GPU. The notebook's two extra commands (the free bench with --rounds 4,
+# the speed scenario alone at 16 GiB) are run by hand.
 #
 #   scripts/gpu-validation.sh prepare DIR [VERSION]
 #                                               # where the tool can fetch (network, cache);

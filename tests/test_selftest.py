@@ -3,7 +3,7 @@ command line end to end (the child processes answered by a fake), the loader on 
 fake trees, and (marker native/integration) the real extension built without a driver
 and the real pinned cumem.py loaded against it.
 
-The GPU runs themselves are recorded evidence (docs/gpu-validation.md), not tests.
+The GPU runs themselves are recorded evidence (docs/results.md, docs/records/), not tests.
 """
 
 from __future__ import annotations

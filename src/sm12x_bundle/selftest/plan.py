@@ -51,7 +51,7 @@ class Scenario:
 
 SCENARIOS: tuple[Scenario, ...] = (
     # Not fixed upstream by 0.33.0: its free callback synchronizes (so the sweep is safe), its
-    # sleep() does not (an illegal memory access on the H200, docs/gpu-validation.md).
+    # sleep() does not (an illegal memory access on the H200, docs/results.md).
     Scenario(1, "inflight-free", "in-flight free", True,
              "a pool tensor is freed (context-exit sweep, then sleep()) while a write into it is queued"),
     Scenario(2, "stale-error", "stale error", True,
