@@ -149,7 +149,7 @@ class Sizes:
     guard_bytes: int = 64 * MiB
     sleep_count: int = 8
     sleep_each: int = 256 * MiB
-    sleep_fail_at: int = 4  # the 4th of 8 backups fails, as measured in issue 12
+    sleep_fail_at: int = 4  # the 4th of 8 backups fails, as in the H200 runs of the sleep transactions
     churn_min: int = 1 * GiB
     churn_max: int = 3 * GiB
     churn_buffers: int = 16
