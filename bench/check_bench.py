@@ -6,7 +6,7 @@ three-release matrix (the pin, 0.26.0, 0.33.0), each as a whole command (Python 
 included), best of --repeat runs. The first run warms the cache (downloads and
 extractions are not counted); a second one, RACY_NS later, lets the records of freshly
 extracted trees settle, so the timed runs see what every later run sees (source/record.py).
-Targets from the issue: < 5 s and < 20 s on 2 cores.
+Targets: < 5 s and < 20 s on 2 cores.
 """
 
 from __future__ import annotations

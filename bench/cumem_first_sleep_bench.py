@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The first sleep of a process: ways to get pinned backups, against the link (issue 13).
+"""The first sleep of a process: ways to get pinned backups, against the link.
 
     python bench/cumem_first_sleep_bench.py [TREE] [--size-gib 8] [--piece-mib 384]
         [--prefault-gib 0] [--threads 4,8,16] [--conf CONF ...] [--json-out FILE]
@@ -27,7 +27,7 @@ own option). ``--prefault-gib`` first touches and frees that much host memory, s
 VM that backs its memory on first touch (the H200 machines here) does not charge the
 first candidate alone for it; the first-touch rate is reported either way. With TREE,
 the selftest's speed scenario also runs on that tree (its extension built alone), as
-this bench did before issue 13.
+this bench did before the backup pool.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ machine hits both alike. A worker fills a fresh pool with 2 x SEGMENTS tensors o
 1 MiB (PyTorch packs two into each 2 MiB segment), frees them, and times the exit of
 ``use_memory_pool``: the context-exit sweep, which unmaps and releases every free
 segment through the free callback. The patched tree synchronizes the device once per
-sweep; the pristine one not at all. Figure of merit (target from issue 3): the
+sweep; the pristine one not at all. Figure of merit (target): the
 median patched sweep over the median pristine sweep, measured in this one run, at
 most 1.05.
 

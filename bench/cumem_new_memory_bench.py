@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What new device memory costs the copies around it (issue 13: the wake's second ceiling).
+"""What new device memory costs the copies around it (the wake's second ceiling).
 
     python bench/cumem_new_memory_bench.py TREE [--copy-gib 16] [--new-gib 8]
         [--piece-mib 384] [--reps 3] [--json-out FILE] [--python-include DIR]

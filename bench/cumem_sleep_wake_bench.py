@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A wake right after a sleep, and a model load beside the backup pool's pinning (issue 13).
+"""A wake right after a sleep, and a model load beside the backup pool's pinning.
 
     python bench/cumem_sleep_wake_bench.py TREE [--size-gib 16] [--piece-mib 384]
         [--reps 3] [--tags weights,bench-plain] [--pin-gib 16] [--json-out FILE]

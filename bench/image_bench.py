@@ -8,7 +8,7 @@ and bundle images first, so the extension is compiled every time and nothing but
 base is cached. Prints wall-clock seconds for the whole command (the base inspection,
 the builder, the bundle build and the check in a container) and where they went.
 
-Target from the issue: under 60 s on this 2-core machine. For scale: a full vLLM
+Target: under 60 s on this 2-core machine. For scale: a full vLLM
 source build costs 2-4 hours (peers' figure).
 """
 

@@ -7,7 +7,7 @@ download and extraction are not counted). Without --image it makes one default t
 (--target, default the 0.21.0 lane's) from the pinned tree, as a fresh machine without a
 daemon does (DOCKER_HOST is pointed at nothing); with --image REF it reads that image through the daemon in DOCKER_HOST
 (add --verify to include the in-image check). Each run patches cumem.py and rebuilds
-the cumem extension (two compiler calls). Target from the issue: < 10 s on 2 cores.
+the cumem extension (two compiler calls). Target: < 10 s on 2 cores.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Reproduce docs/gpu-validation.md: the selftest comparison (pristine vLLM 0.21.0 against
-# the patched tree) and the cumem benchmarks, on one CUDA GPU. The doc's two extra commands
-# (the free bench with --rounds 4, the speed scenario alone at 16 GiB) are run by hand.
+# Reproduce the runs of the H200 notebook, docs/records/gpu-validation-log-2026-11-21-to-23.md:
+# the selftest comparison (pristine vLLM 0.21.0 against the patched tree) and the cumem
+# benchmarks, on one CUDA GPU. The notebook's two extra commands (the free bench with --rounds 4,
+# the speed scenario alone at 16 GiB) are run by hand.
 #
 #   scripts/gpu-validation.sh prepare DIR [VERSION]
 #                                               # where the tool can fetch (network, cache);
@@ -10,17 +11,17 @@
 #   scripts/gpu-validation.sh followup DIR OUT  # then: scenario 1 again, the wake bench,
 #                                               # the first sleep with 64 register threads
 #   scripts/gpu-validation.sh transactions DIR OUT [SCENARIOS]
-#                                               # issue 12: every scenario (1-10, or the
+#                                               # the sleep and wake transactions: every scenario (1-10, or the
 #                                               # comma-separated list given), fault stress
 #                                               # with 10,000 cycles
-#   scripts/gpu-validation.sh lane DIR OUT      # issue 14: scenarios 1-12 on a lane's trees
+#   scripts/gpu-validation.sh lane DIR OUT      # scenarios 1-12 on a lane's trees
 #                                               # in one run that fits 10 minutes (smaller
 #                                               # speed, stress and fault-stress sizes; 13
 #                                               # has its own stage, ranks)
-#   scripts/gpu-validation.sh wake DIR OUT [GIB] # issue 13, the wake's order: the new-memory
+#   scripts/gpu-validation.sh wake DIR OUT [GIB] # the wake's order: the new-memory
 #                                               # bench, then the lane comparison with the
 #                                               # speed scenarios at GIB (default 16)
-#   scripts/gpu-validation.sh ranks DIR OUT     # issue 24: scenario 13 alone (sleep and wake
+#   scripts/gpu-validation.sh ranks DIR OUT     # scenario 13 alone (sleep and wake
 #                                               # across ranks, one per GPU or 4 on one GPU)
 #
 # prepare: the pinned tree (sm12x-bundle fetch) and the patched tree (sm12x-bundle apply),

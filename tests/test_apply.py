@@ -147,7 +147,7 @@ def test_apply_is_atomic_and_reproducible(tmp_path):
     assert (src.root / "a.py").read_text() == BODY
 
 
-# --- a file where a folder must be, a folder where a file must be (issue 21) ---------------
+# --- a file where a folder must be, a folder where a file must be ---------------------------
 
 
 @pytest.mark.parametrize(

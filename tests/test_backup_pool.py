@@ -1,4 +1,4 @@
-"""Patch 0005: sleep()'s backups from a pool pinned before the first sleep (issue 13).
+"""Patch 0005: sleep()'s backups from a pool pinned before the first sleep.
 
 The pool's bookkeeping runs for real on the CPU: the host memory is a real anonymous
 mapping, populated by real threads; only the two CUDA calls (cudaHostRegister and

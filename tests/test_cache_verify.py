@@ -77,7 +77,7 @@ def test_flipped_byte_without_an_index_is_a_fetch_error_and_nothing_is_extracted
 
 
 def test_tampered_sdist_with_its_tree_deleted_is_never_extracted(fetched, tmp_path):
-    """The issue's case: another archive under the real hash, the tree gone."""
+    """The reported case: another archive under the real hash, the tree gone."""
     index, sha, cache, _ = fetched
     make_index(tmp_path / "evil", extra=[tarfile.TarInfo("vllm-9.0.0/evil.py")])
     shutil.copyfile(tmp_path / "evil" / "files" / "vllm-9.0.0.tar.gz", _sdist_path(cache, sha))
@@ -278,7 +278,7 @@ def _cli(cache: Path, index: str, cwd: Path, *argv: str) -> subprocess.Completed
 def test_real_sdist_damage_is_repaired_before_apply_writes_and_verified_means_verified(
     tmp_path, request, monkeypatch, default_context
 ):
-    """The issue's steps on vLLM 0.21.0, in a copy of the cache (the shared one is never touched)."""
+    """The reported steps on vLLM 0.21.0, in a copy of the cache (the shared one is never touched)."""
     real = _sdist_path(cache_dir(), PIN_SHA, "0.21.0")
     if not real.is_file():
         request.getfixturevalue("pinned_source")  # fetches it into the shared cache once

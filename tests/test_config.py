@@ -133,7 +133,7 @@ def test_image_references(ref, ok):
     assert (values.image_problem(ref) is None) is ok
 
 
-# --- what a config file may hold (issue 21) -------------------------------------------
+# --- what a config file may hold ----------------------------------------------------
 
 
 def _bomb(levels: int) -> str:

@@ -1,4 +1,4 @@
-"""``build --dry-run`` refuses what ``build`` would refuse before it writes (issue 21).
+"""``build --dry-run`` refuses what ``build`` would refuse before it writes.
 
 A dry run that passed once let ``build`` write both patched trees and then stop at the
 overlays with exit 8: a target without ``pinned: true`` needs a Docker daemon. Both now run
@@ -126,7 +126,7 @@ def test_a_series_that_cannot_be_parsed_is_refused_by_the_dry_run(project, capsy
 
 
 def test_the_embedded_default_cut_before_pinned_is_refused_alike(tmp_path, monkeypatch, capsys):
-    """The issue's case: the default cut after the second target's root (no 'pinned: true'),
+    """The reported case: the default cut after the second target's root (no 'pinned: true'),
     with no daemon. The dry run passed; build wrote both trees, then exited 8."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-daemon.sock")

@@ -4,7 +4,7 @@ Each case runs the real ``sm12x-bundle`` in its own process, in a private world 
 files, folders, a FIFO, a socket and device nodes, under a tripwire that stops any change
 outside that world before it happens (tests/hostilekit.py says how, and what a case must
 do to pass: its exit code, one error sentence matching its phrase, no traceback, no hang,
-every canary unchanged, no staging folder left). The classes are those of issue 21: report
+every canary unchanged, no staging folder left). The classes: report
 and output paths that are not regular files or folders, --force at system folders and mount
 points, read-only and full file systems, an unusable cache, configs that are bombs, deep,
 not UTF-8, devices or empty, series and patches that are not what they claim, and every
@@ -122,7 +122,7 @@ LIST = "find {W}/%s -mindepth 1 -printf '%%P %%s\\n' | sort"
 # --- the cases --------------------------------------------------------------------------------
 
 REPORT_PATHS = [
-    # issue 21 item 1: a report is written only as a new file or over a regular file
+    # a report is written only as a new file or over a regular file
     case("junit-fifo", CHECK + " --junit {W}/dev/fifo", 2, r"is a FIFO", timeout=10),
     case("junit-socket", CHECK + " --junit {W}/dev/sock", 2, r"is a socket"),
     case("junit-device-full", CHECK + " --junit {W}/dev/full", 2, r"character device", devices=True),
@@ -135,7 +135,7 @@ REPORT_PATHS = [
     case("junit-under-a-fifo", CHECK + " --junit {W}/dev/fifo/report.xml", 2, r"not a folder"),
     case("json-out-fifo", "selftest -q --installed --json-out {W}/dev/fifo", 2, r"is a FIFO", timeout=10),
     case("json-out-link-to-dev-null", "selftest -q --installed --json-out {W}/links/null", 2, r"character device"),
-    # item 4: what the machine refuses is the environment's (exit 12), named
+    # what the machine refuses is the environment's (exit 12), named
     case("junit-proc-version", CHECK + " --junit /proc/version", 12, KERNEL),
     case("junit-under-proc", CHECK + " --junit /proc/sm12x-report.xml", 12, KERNEL),
     case("junit-under-sys", CHECK + " --junit /sys/sm12x-report.xml", 12, KERNEL),
@@ -152,14 +152,14 @@ REPORT_PATHS = [
 
 OUTPUT_FOLDERS = [
     case("out-fifo", APPLY + " --out {W}/dev/fifo", 11, r"is a FIFO|not a folder this tool wrote"),
-    # item 1/2: --force replaces a folder, never a device, FIFO or socket
+    # --force replaces a folder, never a device, FIFO or socket
     case("out-fifo-force", APPLY + " --out {W}/dev/fifo --force", 11, r"is a FIFO"),
     case("out-socket-force", APPLY + " --out {W}/dev/sock --force", 11, r"is a socket"),
     case("out-device-force", APPLY + " --out {W}/dev/null --force", 11, r"character device", devices=True),
     # --force at a link replaces the link, never what it points to
     case("out-link-to-folder-force", APPLY + " --out {W}/links/folder --force", 0, "",
          writes=("links/folder",)),
-    # item 2: --force never moves a system folder (the tripwire stops any attempt first)
+    # --force never moves a system folder (the tripwire stops any attempt first)
     *[case(f"out-system-folder-{p.strip('/')}-force", APPLY + f" --out {p} --force", 11, r"even with --force")
       for p in SYSTEM_FOLDERS],
     case("out-system-folder-etc-force-pinned-tree", "apply -q --config cfg.yaml --out /etc --force", 11,
@@ -184,12 +184,12 @@ OUTPUT_FOLDERS = [
          trees=True),
     case("overlay-manifest-is-a-fifo-force", "overlay -q --config cfg.yaml --out {W}/ovl --force", 11, r"a FIFO",
          trees=True, setup=fifo("ovl/vllm-openai-v0.21.0/current.json"), timeout=10),
-    # item 4: a read-only or full file system, /proc, /sys: exit 12 and the system's words
+    # a read-only or full file system, /proc, /sys: exit 12 and the system's words
     case("out-inside-read-only", APPLY + " --out {W}/ro/tree", 12, r"read-only file system",
          mounts=(TMPFS_RO,), after=(LIST % "ro",)),
     case("out-full-disk", APPLY + " --out {W}/full/tree", 12, r"no space left on device",
          mounts=(TMPFS_FULL,), after=(LIST % "full",), inside=("fill 65536",)),
-    # the issue's own: the pinned tree onto 1 MiB, which fails on thousands of files
+    # the reported case: the pinned tree onto 1 MiB, which fails on thousands of files
     case("out-full-disk-pinned-tree", "apply -q --config cfg.yaml --out {W}/full/tree", 12, r"no space left on device",
          mounts=("mount -t tmpfs -o size=1m tmpfs {W}/full && echo canary > {W}/full/keep.txt",),
          after=(LIST % "full",), inside=("keep.txt 7",), trees=True, slow=True),
@@ -198,7 +198,7 @@ OUTPUT_FOLDERS = [
 ]
 
 CACHES = [
-    # item 4: a cache this machine will not let the tool use
+    # a cache this machine will not let the tool use
     case("cache-is-a-file", PINNED_FETCH, 12, r"not a folder", setup=files({"cachefile": "x\n"}),
          env={"SM12X_BUNDLE_CACHE": "{W}/cachefile"}),
     case("cache-under-a-file", PINNED_FETCH, 12, r"not a folder", setup=files({"cachefile": "x\n"}),
@@ -213,7 +213,7 @@ CACHES = [
 ]
 
 CONFIGS = [
-    # item 3: bounded YAML, and a file that is not text names itself (exit 3)
+    # bounded YAML, and a file that is not text names itself (exit 3)
     case("config-alias-bomb-7", "series -q --config bad", 3, r"alias|anchor", setup=config(alias_bomb(7)),
          timeout=10, memory=GiB),
     case("config-alias-bomb-9", "series -q --config bad", 3, r"alias|anchor", setup=config(alias_bomb(9)),
@@ -242,17 +242,17 @@ CONFIGS = [
     case("config-nul-byte", "series -q --config bad", 3, r"bad:\d+: not valid YAML", setup=config(BASE.replace("fuzz: 0", "fuzz: 0\0"))),
     case("config-python-tag", "series -q --config bad", 3, r"tag",
          setup=config("pin: !!python/object/apply:os.system ['true']\n")),
-    # item 6: a file an operator passes means something: empty is refused
+    # a file an operator passes means something: empty is refused
     case("config-empty", "series -q --config bad", 3, r"bad:1: .*(empty|no settings)", setup=config("")),
     case("config-comments-only", "series -q --config bad", 3, r"bad:1: .*(empty|no settings)", setup=config("# nothing here\n")),
     case("config-empty-mapping", "series -q --config bad", 3, r"bad:1: .*(empty|no settings)", setup=config("{}\n")),
-    # item 6: --dry-run checks what build checks (here: the daemon an unpinned target needs)
+    # --dry-run checks what build checks (here: the daemon an unpinned target needs)
     case("dry-run-needs-what-build-needs", "build -q --dry-run --config bad", 8, r"daemon",
          setup=config(BASE[: BASE.index("    pinned: true")])),
 ]
 
 SERIES = [
-    # item 5: a series file or entry that is not a regular file says what it is
+    # a series file or entry that is not a regular file says what it is
     case("series-file-dev-zero", "series -q --config lane.yaml", 3, r"character device",
          setup=series(config_series="/dev/zero"), timeout=10, memory=GiB),
     case("series-file-fifo", "series -q --config lane.yaml", 3, r"is a FIFO",
@@ -268,7 +268,7 @@ SERIES = [
                     lambda w: (w.root / "home/work/patches/0001-dir.patch").mkdir())),
     case("series-entry-missing", LANE_APPLY, 5, r"0001-gone\.patch",
          setup=series(("0001-gone.patch", None))),
-    # item 5: patches that are not what a patched tree may hold
+    # patches that are not what a patched tree may hold
     case("patch-symlink", LANE_APPLY, 5, r"symlink|symbolic link|120000",
          setup=series(("0001-link.patch", SYMLINK_PATCH))),
     case("patch-adds-under-a-file", LANE_APPLY, 6, r"vllm/__init__\.py",
@@ -292,7 +292,7 @@ def _bad_input(row) -> Case:
     return Case("bad-input-" + name, tuple(argv_of(argv, edit)), code, re.escape(fragment), setup=setup)
 
 
-# The classes of issue 21, as docs/fuzzing.md counts them (scripts/fuzz --target hostile).
+# The classes of hostile input, as docs/fuzzing.md counts them (scripts/fuzz --target hostile).
 CLASSES: dict[str, list[Case]] = {
     "report files (--junit, --json-out)": REPORT_PATHS,
     "output folders (--out, --force)": OUTPUT_FOLDERS,

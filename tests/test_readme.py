@@ -1,5 +1,6 @@
-"""The README's promises: its two first commands and its configuration reference (its patch
-table is a generated file: tests/test_generated.py)."""
+"""The README's promises: its two first commands, and the configuration reference it links to
+(docs/configuration.md) naming every key (its patch table is a generated file:
+tests/test_generated.py)."""
 
 import re
 from pathlib import Path
@@ -25,7 +26,8 @@ def test_config_reference_names_every_key():
 
     from sm12x_bundle import config as config_mod
 
-    section = README[README.index("## Configuration") : README.index("### The pin and the cache")]
+    reference = (REPO / "docs" / "configuration.md").read_text()  # the README links to it
+    section = reference[reference.index("## Configuration") : reference.index("### The pin and the cache")]
     for cls in (config_mod.LaneConfig, config_mod.PinConfig, config_mod.CheckConfig, config_mod.OutputConfig, config_mod.TargetConfig, config_mod.ImageConfig, config_mod.JobConfig):
         for f in dataclasses.fields(cls):
-            assert f"`{f.name}`" in section or f".{f.name}`" in section or f", {f.name}" in section or f"`{f.name}," in section, f"{cls.__name__}.{f.name} is not in the README's configuration reference"
+            assert f"`{f.name}`" in section or f".{f.name}`" in section or f", {f.name}" in section or f"`{f.name}," in section, f"{cls.__name__}.{f.name} is not in docs/configuration.md's reference"

@@ -3,7 +3,7 @@ command line end to end (the child processes answered by a fake), the loader on 
 fake trees, and (marker native/integration) the real extension built without a driver
 and the real pinned cumem.py loaded against it.
 
-The GPU runs themselves are recorded evidence (docs/gpu-validation.md), not tests.
+The GPU runs themselves are recorded evidence (docs/results.md, docs/records/), not tests.
 """
 
 from __future__ import annotations
@@ -736,7 +736,7 @@ def test_lane_goes_with_compare_without_trees(fake_gpu, capsys):
 
 
 def test_speed_holds_the_wake_to_the_fresh_memory_ceiling():
-    """Issue 13: a wake copies into memory it has just created, so the speed scenario
+    """A wake copies into memory it has just created, so the speed scenario
     holds it to 0.95 of the H2D ceiling into fresh memory, not to the ceiling of copies
     into memory in use; the sleep stays held to the D2H ceiling."""
     speed_shortfalls = speed.speed_shortfalls

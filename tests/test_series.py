@@ -87,7 +87,7 @@ def test_empty_or_missing_series(tmp_path):
         load_series(tmp_path / "absent")
 
 
-# --- what a patch may create, and what a series may name (issue 21) ---------------------
+# --- what a patch may create, and what a series may name ---------------------------------
 
 
 @pytest.mark.parametrize("mode, words", [("120000", "a symbolic link"), ("160000", "a submodule (gitlink)"),

@@ -129,7 +129,7 @@ def _shape(dispatch, heads=64, topks=(128, 512), pages=(64, 64), tokens=1, bpt=5
     return dispatch.LayerShape(heads, tuple(topks), tuple(pages), tokens, bpt)
 
 
-# Issue 15's table, read against flashinfer 0.7.2.post1's own information.
+# The operators' DeepSeek V4 shapes, read against flashinfer 0.7.2.post1's own information.
 ISSUE_SHAPES = {
     "vllm#56837 heads 64 top-k 1152": dict(heads=64, topks=(128, 1152)),
     "flashinfer#5323 page_block_size 32": dict(pages=(64, 32)),
@@ -275,7 +275,7 @@ def _config(block_size=256, spec_tokens=None, index_topk=512):
 
 
 def test_layer_reads_its_shapes(layer_decision):
-    """Issue 15's configurations through the patched layer: FlashInfer 0.7.2.post1 keeps them."""
+    """The operators' DeepSeek V4 configurations through the patched layer: FlashInfer 0.7.2.post1 keeps them."""
     cases = [
         (_layer(heads=64), _config(index_topk=1152), 128),  # vllm#56837
         (_layer(), _config(block_size=128), 128),  # flashinfer#5323: compressed page 32

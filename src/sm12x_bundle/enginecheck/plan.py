@@ -1,6 +1,6 @@
 """What an engine check runs, decided before any engine starts.
 
-The scenarios (issue 23, item 1), which of them run on which vLLM, and how big each engine
+The scenarios, which of them run on which vLLM, and how big each engine
 is: pure functions over the options, the GPU's free memory (read through NVML) and the
 host's available memory, tested without a GPU. A size that cannot fit is refused here,
 with a sentence, before anything runs.
@@ -27,14 +27,14 @@ MARGIN = 512 * MiB
 # PyTorch's pinned host allocator rounds each backup up to a power of two: up to twice the
 # bytes offloaded (FIELD-NOTES); the backup pool takes them once.
 HOST_BACKUP_FACTOR = 2
-DEFAULT_SINGLE = int(24.25 * GiB)  # Llama-2 13B's shape: the issue's 24.2 GiB engine
+DEFAULT_SINGLE = int(24.25 * GiB)  # Llama-2 13B's shape: a 24.2 GiB engine, as the seeds' first sleep
 DEFAULT_PAIR = int(12.55 * GiB)  # Llama-2 7B's shape: two engines rotating on one GPU
 QUICK = 1 * GiB
 
 
 @dataclass(frozen=True)
 class Scenario:
-    key: str  # a, b, c, d1, d2, e: issue 23's letters
+    key: str  # a, b, c, d1, d2, e: the letters --scenario takes
     name: str
     title: str
     engines: str  # "single": one engine of the single size; "pair": two of the pair size

@@ -1,4 +1,4 @@
-"""Scenarios a, b and e of issue 23 on one tree: sleep/wake cycles, level 2, and the seeds'
+"""Scenarios a, b and e of the engine check on one tree: sleep/wake cycles, level 2, and the seeds'
 cross-image sequence. (c is rotation.py; d1 and d2 are failures.py.)
 
 Each runs vLLM's own engine through a session and returns a :class:`~.bench.Finding`: the

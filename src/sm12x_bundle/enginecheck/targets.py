@@ -1,4 +1,4 @@
-"""Issue 23's targets, judged from a run's figures (pure: the report's JSON is enough).
+"""The engine check's targets, judged from a run's figures (pure: the report's JSON is enough).
 
 A target holds (True), does not (False), or was not measured (None: its scenario did not
 run, or --quick measured no ceilings). Each is judged per tree; the verdict reads the tree

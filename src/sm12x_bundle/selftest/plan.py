@@ -51,7 +51,7 @@ class Scenario:
 
 SCENARIOS: tuple[Scenario, ...] = (
     # Not fixed upstream by 0.33.0: its free callback synchronizes (so the sweep is safe), its
-    # sleep() does not (an illegal memory access on the H200, docs/gpu-validation.md).
+    # sleep() does not (an illegal memory access on the H200, docs/results.md).
     Scenario(1, "inflight-free", "in-flight free", True,
              "a pool tensor is freed (context-exit sweep, then sleep()) while a write into it is queued"),
     Scenario(2, "stale-error", "stale error", True,
@@ -149,7 +149,7 @@ class Sizes:
     guard_bytes: int = 64 * MiB
     sleep_count: int = 8
     sleep_each: int = 256 * MiB
-    sleep_fail_at: int = 4  # the 4th of 8 backups fails, as measured in issue 12
+    sleep_fail_at: int = 4  # the 4th of 8 backups fails, as in the H200 runs of the sleep transactions
     churn_min: int = 1 * GiB
     churn_max: int = 3 * GiB
     churn_buffers: int = 16

@@ -1,4 +1,4 @@
-"""Scenario 13 (issue 24): sleep and wake_up across ranks, all ranks or none.
+"""Scenario 13: sleep and wake_up across ranks, all ranks or none.
 
 Several processes, each a rank with its own CuMemAllocator from the tree, agree over
 gloo as the ranks of a tensor-parallel engine do: one rank per GPU when the node has

@@ -8,13 +8,13 @@ import time
 
 from .measure import GiB, fill, intact, outcome, timed
 
-WAKE_FRESH_TARGET = 0.95  # of the H2D ceiling into freshly created memory (issue 13)
+WAKE_FRESH_TARGET = 0.95  # of the H2D ceiling into freshly created memory (a wake creates it)
 
 
 def speed_shortfalls(f: dict, target: float) -> list[str]:
     """What keeps the speed scenario from passing. A wake copies into memory it has just
-    created, which the driver prepares first: it is held to the fresh-memory ceiling
-    (issue 13), a sleep to the D2H one."""
+    created, which the driver prepares first: it is held to the fresh-memory ceiling, a
+    sleep to the D2H one."""
     short = []
     if f["sleep_ratio"] < target:
         short.append(f"sleep below {target:.0%} of D2H")

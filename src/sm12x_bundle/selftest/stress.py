@@ -142,7 +142,8 @@ class FaultStress:
         self.inject = set(p.get("fault_inject", "host,map,double,subset,sweep").split(","))
         # Each in-flight sweep leaves a memory pool alive. With map failures injected too, the
         # process crashed in PyTorch (a segfault in torch.cuda.synchronize or in the pool's
-        # snapshot) after about 250 of them on the H200 (docs/gpu-validation.md): capped.
+        # snapshot) after about 250 of them on the H200 (the notebook
+        # docs/records/gpu-validation-log-2026-11-21-to-23.md): capped.
         self.max_sweeps = p.get("fault_sweeps", 200)
         self.injected = {"host_allocation": 0, "map": 0, "double_wake": 0, "tag_subset_wake": 0, "inflight_sweep": 0}
         self.max_drift = 0
