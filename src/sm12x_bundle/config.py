@@ -26,7 +26,7 @@ import yaml
 
 from . import inputs
 from .errors import ConfigError
-from .jobs import MANAGED_FLAGS, check_budget, managed_env
+from .jobs import GATE_TOOL_MOUNT, MANAGED_FLAGS, check_budget, check_host_ram, gate_env, managed_env, node_groups
 
 LOCAL_CONFIG = "sm12x-bundle.yaml"
 
@@ -162,8 +162,12 @@ class JobConfig:
     artifact_base_url: str | None = None
     datacenters: tuple[str, ...] = ("dc1",)
     cpu_mhz: int = 16000
-    # Sleeping weights live in pinned host memory, inside this limit.
+    # Sleeping weights live in pinned host memory, inside this limit (with the backup pool,
+    # awake too: the pool pins them from the model load on).
     memory_mb: int = 65536
+    # The node's RAM: the jobs that share a node must fit their memory_mb and a margin in it
+    # (None: not checked).
+    host_ram_gib: float | None = None
     shm_size_mb: int = 16384
     disk_mb: int = 20480
     readonly_rootfs: bool = True
@@ -173,6 +177,16 @@ class JobConfig:
     healthy_deadline_s: int = 1800
     progress_deadline_s: int = 2400
     kill_timeout_s: int = 300
+    # The rollout gate, a prestart task in the target image with the same overlays, before
+    # vLLM starts: "none"; "engine" (engine-check --installed --quick); "allocator" (selftest
+    # --installed, the scenarios that leave the GPUs' other users alone). A failing gate
+    # fails the allocation. Needs gpu_allocation "shared" (see nomad/README.md).
+    gate: str = "none"
+    # A checkout of sm12x-bundle on every client (src/ and patches/: the embedded default's
+    # lanes need their series), bind-mounted read-only into the gate: the image lacks the tool.
+    gate_tool_dir: str = "/opt/sm12x-bundle/tool"
+    # The longest the gate may take; it runs inside healthy_deadline_s, before the load.
+    gate_time_s: int = 600
 
 
 @dataclass(frozen=True)
@@ -465,6 +479,7 @@ _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 DELIVERIES = ("host", "artifact")
 ALLOCATIONS = ("device", "shared")
 PROVIDERS = ("nomad", "consul")
+GATES = ("none", "engine", "allocator")
 
 
 def version_problem(value: str) -> str | None:
@@ -678,6 +693,7 @@ def _check_jobs(config: Config, at: _Where) -> None:
         for check in _JOB_CHECKS:
             check(job, key, at)
     _check_peer_ports(config, at)
+    _check_host_ram(config, at)
 
 
 def _job_text(job: JobConfig, key: str, at: _Where) -> None:
@@ -697,6 +713,7 @@ def _job_choices(job: JobConfig, key: str, at: _Where) -> None:
         ("overlay_delivery", job.overlay_delivery, DELIVERIES),
         ("gpu_allocation", job.gpu_allocation, ALLOCATIONS),
         ("service_provider", job.service_provider, PROVIDERS),
+        ("gate", job.gate, GATES),
     ):
         if value not in choices:
             at.fail(f"{key}.{name}", f"unknown {name} {value!r}: choose one of {', '.join(choices)}")
@@ -742,6 +759,8 @@ def _job_memory(job: JobConfig, key: str, at: _Where) -> None:
     for name in ("non_cumem_gib", "peer_residue_gib"):
         if getattr(job, name) < 0:
             at.fail(f"{key}.{name}", f"must be 0 or more, not {getattr(job, name):g}")
+    if job.host_ram_gib is not None and job.host_ram_gib <= 0:
+        at.fail(f"{key}.host_ram_gib", f"must be positive, not {job.host_ram_gib:g}")
     util = f"{key}.gpu_memory_utilization"
     check_budget(job, f"{at.origin}:{at.line(util)}: {util}")
 
@@ -803,7 +822,50 @@ def _job_container(job: JobConfig, key: str, at: _Where) -> None:
         at.check(f"{key}.host_mounts.{container}", absolute_problem(container) or absolute_problem(host))
 
 
-_JOB_CHECKS = (_job_text, _job_choices, _job_gpus, _job_memory, _job_sizes, _job_timing, _job_delivery, _job_container)
+# A gate with gpu_allocation 'device': Nomad's scheduler reserves device instances for each task of
+# a group on its own (scheduler/rank.go, BinPackIterator), and its docs do not say a finished
+# prestart task hands them to the main task (hashicorp/nomad#9725 is open for that).
+_GATE_NEEDS_SHARED = (
+    "a gate needs gpu_allocation 'shared': with 'device', Nomad reserves GPUs for each task on its own, "
+    "so the gate would get GPUs beside vLLM's, not vLLM's, and Nomad's docs do not promise that a finished "
+    "prestart task's GPUs go to the main task (hashicorp/nomad#9725; nomad/README.md)"
+)
+
+
+def _job_gate(job: JobConfig, key: str, at: _Where) -> None:
+    """A gate runs the check with the main task's interpreter, env and GPUs, before vLLM loads."""
+    if job.gate == "none":
+        return
+    if job.gpu_allocation != "shared":
+        at.fail(f"{key}.gate", _GATE_NEEDS_SHARED)
+    at.check(f"{key}.gate_tool_dir", absolute_problem(job.gate_tool_dir))
+    if job.entrypoint[1:2] != ("-m",):
+        at.fail(
+            f"{key}.entrypoint",
+            f"the gate runs sm12x-bundle with the entrypoint's Python ('PYTHON -m ...'), and {list(job.entrypoint)} "
+            "names none: write it as [python3, -m, vllm.entrypoints.cli.main, serve]",
+        )
+    for name in sorted(gate_env().keys() & job.env.keys()):
+        at.fail(f"{key}.env.{name}", f"env {name} is set by sm12x-bundle in the gate ({gate_env()[name]!r}); remove it from env")
+    if GATE_TOOL_MOUNT in job.host_mounts:
+        at.fail(f"{key}.host_mounts.{GATE_TOOL_MOUNT}", f"{GATE_TOOL_MOUNT} is where the gate mounts gate_tool_dir; mount elsewhere")
+    _job_gate_time(job, key, at)
+
+
+def _job_gate_time(job: JobConfig, key: str, at: _Where) -> None:
+    if job.gate_time_s <= 0:
+        at.fail(f"{key}.gate_time_s", f"must be positive, not {job.gate_time_s}")
+    if job.healthy_deadline_s <= job.load_time_s + job.gate_time_s:
+        at.fail(
+            f"{key}.healthy_deadline_s",
+            f"healthy_deadline_s ({job.healthy_deadline_s}) must exceed load_time_s ({job.load_time_s}) + gate_time_s "
+            f"({job.gate_time_s}): the gate runs inside the allocation before the model loads",
+        )
+
+
+_JOB_CHECKS = (
+    _job_text, _job_choices, _job_gpus, _job_memory, _job_sizes, _job_timing, _job_delivery, _job_container, _job_gate,
+)
 
 
 def _check_peer_ports(config: Config, at: _Where) -> None:
@@ -817,6 +879,15 @@ def _check_peer_ports(config: Config, at: _Where) -> None:
             peers = f"jobs {seen[node]!r} and {job.name!r}"
             at.fail(f"jobs[{i}].port", f"{peers} share a node and both use port {job.port}")
         seen[node] = job.name
+
+
+def _check_host_ram(config: Config, at: _Where) -> None:
+    """The jobs that share a node fit in its RAM: named at the first job of the node that gives host_ram_gib."""
+    for group in node_groups(config.jobs):
+        given = [i for i in group if config.jobs[i].host_ram_gib is not None]
+        if given:
+            key = f"jobs[{given[0]}].host_ram_gib"
+            check_host_ram([config.jobs[i] for i in group], f"{at.origin}:{at.line(key)}: {key}")
 
 
 def default_text() -> str:

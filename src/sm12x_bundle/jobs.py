@@ -1,6 +1,8 @@
 """What a job of the config asks of its node, in the words both the config check and the
-Nomad renderer use: the GPU memory budget, the vllm serve flags and the environment the job
-spec sets itself (so a config that repeats one is refused before anything is rendered).
+Nomad renderer use: the GPU memory budget, the host-RAM budget of the jobs that share a node,
+the vllm serve flags and the environment the job spec sets itself, and where the rollout gate
+finds sm12x-bundle (so a config that repeats or collides with one is refused before anything
+is rendered).
 
 Below config and outputs/nomad: each imports it, it imports neither.
 """
@@ -8,6 +10,7 @@ Below config and outputs/nomad: each imports it, it imports neither.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -110,6 +113,96 @@ def managed_env(job: JobConfig) -> dict[str, str]:
         env["NVIDIA_VISIBLE_DEVICES"] = ",".join(job.gpu_ids)
         env["NVIDIA_DRIVER_CAPABILITIES"] = "compute,utility"
     return env
+
+
+# --- the rollout gate -------------------------------------------------------------
+#
+# The target image does not carry sm12x-bundle: the gate task mounts the client's
+# gate_tool_dir (a checkout: src/ and patches/, which the embedded default's lanes need)
+# read-only here and puts src/ on PYTHONPATH. The config refuses a host mount on this path
+# and an env that sets what gate_env sets.
+GATE_TOOL_MOUNT = "/opt/sm12x-bundle"
+
+
+def gate_env() -> dict[str, str]:
+    """What the gate adds to the main task's env: where sm12x-bundle is."""
+    return {"PYTHONPATH": f"{GATE_TOOL_MOUNT}/src"}
+
+
+# --- the host-RAM budget ----------------------------------------------------------
+#
+# The backup pool (patch cumem-backup-pool) pins each engine's weights in host memory from
+# the model load on, awake or asleep: a node of two rotation peers holds both peers' weights
+# at once (engine core RSS 25.57 GiB awake and asleep for 24.24 GiB of weights, H100,
+# docs/records/engine-check-0.21.0-cycles-level2-h100-2026-11-25.json). Each job's memory_mb
+# must hold its own share; the node's RAM must hold every job's that runs there.
+
+# What a node keeps for itself besides the jobs (the OS, the Nomad client, Docker): a chosen
+# allowance, not a measurement; a client `reserved { memory = 8192 }` states the same to Nomad.
+HOST_RAM_MARGIN_GIB = 8.0
+
+
+@dataclass(frozen=True)
+class HostRam:
+    """What one node's RAM must hold: the memory_mb of every job placed there, and a margin."""
+
+    node_gib: float
+    jobs: tuple[tuple[str, float], ...]  # (job name, its memory_mb in GiB), in the config's order
+    margin_gib: float = HOST_RAM_MARGIN_GIB
+
+    @property
+    def total_gib(self) -> float:
+        return sum(gib for _, gib in self.jobs) + self.margin_gib
+
+    def fits(self) -> bool:
+        return self.total_gib <= self.node_gib + 1e-9
+
+    def describe(self) -> str:
+        parts = [f"{number(gib)} GiB {name}" for name, gib in self.jobs]
+        return " + ".join([*parts, f"{number(self.margin_gib)} GiB margin"]) + f" = {number(self.total_gib)} GiB"
+
+
+def node_of(job: JobConfig) -> tuple | None:
+    """The node a job shares with others: rotation peers (gpu_allocation 'shared') pinned by the
+    same node_constraints, as the peer-port check groups them. None: a node of the device
+    plugin's choosing, which the config cannot name."""
+    if job.gpu_allocation != "shared":
+        return None
+    return tuple(sorted(job.node_constraints.items()))
+
+
+def node_groups(jobs: Sequence[JobConfig]) -> list[list[int]]:
+    """The indices of the jobs on each node, in the config's order (a job of no shared node alone)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, job in enumerate(jobs):
+        node = node_of(job)
+        groups.setdefault(("alone", i) if node is None else ("node", node), []).append(i)
+    return list(groups.values())
+
+
+def node_peers(jobs: Sequence[JobConfig], job: JobConfig) -> list[JobConfig]:
+    """The jobs that share ``job``'s node, itself included, in the config's order."""
+    node = node_of(job)
+    return [job] if node is None else [j for j in jobs if node_of(j) == node]
+
+
+def check_host_ram(peers: Sequence[JobConfig], where: str) -> HostRam | None:
+    """The host-RAM preflight of one node's jobs (None: none of them gives host_ram_gib);
+    raise ConfigError naming the numbers and the jobs when they do not fit."""
+    given = {j.name: j.host_ram_gib for j in peers if j.host_ram_gib is not None}
+    if not given:
+        return None
+    if len(set(given.values())) > 1:
+        each = ", ".join(f"{name!r} {number(gib)} GiB" for name, gib in given.items())
+        raise ConfigError(f"{where}: jobs that share a node give different host_ram_gib ({each}): give the node's RAM once")
+    budget = HostRam(next(iter(given.values())), tuple((j.name, j.memory_mb / 1024) for j in peers))
+    if budget.fits():
+        return budget
+    raise ConfigError(
+        f"{where}: the host RAM budget does not fit: {budget.describe()} > {number(budget.node_gib)} GiB host_ram_gib"
+        " (each job's memory_mb holds its engine's weights, pinned by the backup pool awake or asleep):"
+        " lower memory_mb, or place the jobs on a node with more RAM"
+    )
 
 
 def number(x: float) -> str:
