@@ -110,10 +110,14 @@ class Config:
     old: str
     new: str
     at: str = ""
+    gate: bool = False  # the job also asks for the engine gate, with room for it in its deadline
 
     def text(self) -> str:
         assert BASE.count(self.old) == 1, self.old
-        return BASE.replace(self.old, self.new)
+        text = BASE.replace(self.old, self.new)
+        if self.gate:
+            text = text.replace(GATE_AT, GATE_AT + "    gate: engine\n    gate_time_s: 300\n", 1)
+        return text
 
     def line(self) -> int:
         """The line of ``at``; its last occurrence, where a row repeats a name."""
@@ -123,6 +127,13 @@ class Config:
 
 def cfg(key: str, old: str, new: str, at: str = "") -> Config:
     return Config(key, old, new, at)
+
+
+GATE_AT = "    load_time_s: 1200\n"
+
+
+def gated(key: str, old: str, new: str, at: str = "") -> Config:
+    return Config(key, old, new, at, gate=True)
 
 
 DRY = ["build", "--dry-run"]
@@ -164,6 +175,20 @@ ROWS = [
     ("entrypoint-empty", DRY, cfg("jobs[0].entrypoint", "    port: 8001\n", "    port: 8001\n    entrypoint: []\n", "    entrypoint: []"), 3, "entrypoint must not be empty"),
     ("port-is-a-string", DRY, cfg("jobs[0].port", "port: 8001", 'port: "8001"'), 3, "must be int, not str"),
     ("unknown-job-key", DRY, cfg("jobs[0].prot", "port: 8001", "prot: 8001"), 3, "unknown key 'jobs[0].prot' (did you mean 'port'?)"),
+    # the rollout gate (nomad/README.md)
+    ("gate-unknown", DRY, cfg("jobs[0].gate", "    port: 8001\n", "    port: 8001\n    gate: smoke\n", "    gate: smoke"), 3, "unknown gate 'smoke': choose one of none, engine, allocator"),
+    ("gate-with-device-gpus", DRY, cfg("jobs[0].gate", '    gpu_allocation: shared\n    gpu_ids: ["0", "1", "2", "3"]\n', "    gpu_allocation: device\n    gate: engine\n", "    gate: engine"), 3, "a gate needs gpu_allocation 'shared': with 'device', Nomad reserves GPUs for each task on its own"),
+    ("gate-tool-dir-relative", DRY, cfg("jobs[0].gate_tool_dir", "    port: 8001\n", "    port: 8001\n    gate: engine\n    gate_time_s: 300\n    gate_tool_dir: opt/tool\n", "    gate_tool_dir: opt/tool"), 3, "must be a normalised absolute path, not 'opt/tool'"),
+    ("gate-tool-dir-not-normalised", DRY, cfg("jobs[0].gate_tool_dir", "    port: 8001\n", "    port: 8001\n    gate: engine\n    gate_time_s: 300\n    gate_tool_dir: /opt/../tool\n", "    gate_tool_dir: /opt/../tool"), 3, "must be a normalised absolute path, not '/opt/../tool'"),
+    ("gate-beyond-healthy-deadline", DRY, cfg("jobs[0].healthy_deadline_s", "    port: 8001\n", "    port: 8001\n    gate: engine\n", "    healthy_deadline_s: 1800"), 3, "healthy_deadline_s (1800) must exceed load_time_s (1200) + gate_time_s (600)"),
+    ("gate-time-zero", DRY, cfg("jobs[0].gate_time_s", "    port: 8001\n", "    port: 8001\n    gate: allocator\n    gate_time_s: 0\n", "    gate_time_s: 0"), 3, "must be positive, not 0"),
+    ("gate-env-pythonpath", DRY, gated("jobs[0].env.PYTHONPATH", '      HF_HUB_OFFLINE: "1"\n', '      PYTHONPATH: /x\n', "      PYTHONPATH: /x"), 3, "env PYTHONPATH is set by sm12x-bundle in the gate ('/opt/sm12x-bundle/src')"),
+    ("gate-entrypoint-without-python", DRY, gated("jobs[0].entrypoint", "    port: 8001\n", "    port: 8001\n    entrypoint: [vllm, serve]\n", "    entrypoint: [vllm, serve]"), 3, "the gate runs sm12x-bundle with the entrypoint's Python"),
+    ("gate-mount-taken", DRY, gated("jobs[0].host_mounts./opt/sm12x-bundle", "      /models: /srv/models\n", "      /models: /srv/models\n      /opt/sm12x-bundle: /srv/tool\n", "      /opt/sm12x-bundle: /srv/tool"), 3, "/opt/sm12x-bundle is where the gate mounts gate_tool_dir"),
+    # the host-RAM preflight
+    ("host-ram-zero", DRY, cfg("jobs[0].host_ram_gib", "    port: 8001\n", "    port: 8001\n    host_ram_gib: 0\n", "    host_ram_gib: 0"), 3, "must be positive, not 0"),
+    ("host-ram-does-not-fit", ["nomad"], cfg("jobs[0].host_ram_gib", "    progress_deadline_s: 2400\n", "    progress_deadline_s: 2400\n    host_ram_gib: 128\n" + PEER.replace("port: 8001", "port: 8002"), "    host_ram_gib: 128"), 3, "the host RAM budget does not fit: 64 GiB dsv4-flash + 64 GiB mimo-flash + 8 GiB margin = 136 GiB > 128 GiB host_ram_gib"),
+    ("host-ram-disagrees", DRY, cfg("jobs[0].host_ram_gib", "    progress_deadline_s: 2400\n", "    progress_deadline_s: 2400\n    host_ram_gib: 256\n" + PEER.replace("port: 8001", "port: 8002") + "    host_ram_gib: 512\n", "    host_ram_gib: 256"), 3, "jobs that share a node give different host_ram_gib ('dsv4-flash' 256 GiB, 'mimo-flash' 512 GiB)"),
     ("pin-version-empty", DRY, cfg("pin.version", 'version: "0.21.0"', 'version: ""'), 3, "must be a vLLM release version such as 0.21.0, not ''"),
     ("pin-version-word", ["series"], cfg("pin.version", 'version: "0.21.0"', 'version: "latest"'), 3, "not 'latest'"),
     ("pin-sha256-short", DRY, cfg("pin.sha256", "  sha256: 05ff89c3e926b88b77d7878e317a659ffba678afc21c1d48952037aa5457f058", "  sha256: 05ff89c3"), 3, "must be 64 lowercase hex digits"),

@@ -116,6 +116,37 @@ def test_a_mapping_key_is_named_on_its_own_line():
         parse(text)
 
 
+SHARED_JOB = (
+    "targets:\n  - {name: a, image: x}\njobs:\n  - name: j\n    model: m\n    target: a\n"
+    "    gpu_allocation: shared\n    gpu_ids: ['0']\n"
+)
+
+
+def test_a_job_has_no_gate_and_no_host_ram_check_unless_it_asks():
+    (job,) = parse(SHARED_JOB).jobs
+    assert (job.gate, job.gate_tool_dir, job.gate_time_s, job.host_ram_gib) == ("none", "/opt/sm12x-bundle/tool", 600, None)
+    (gated,) = parse(SHARED_JOB + "    gate: allocator\n    gate_tool_dir: /srv/sm12x-bundle\n    host_ram_gib: 512\n").jobs
+    assert (gated.gate, gated.gate_tool_dir, gated.host_ram_gib) == ("allocator", "/srv/sm12x-bundle", 512)
+
+
+def test_a_gate_with_device_gpus_is_refused_with_the_reason():
+    text = "targets:\n  - {name: a, image: x}\njobs:\n  - name: j\n    model: m\n    target: a\n    gate: engine\n"
+    with pytest.raises(ConfigError) as exc:
+        parse(text)
+    assert str(exc.value) == (
+        "cfg.yaml:7: jobs[0].gate: a gate needs gpu_allocation 'shared': with 'device', Nomad reserves GPUs for each "
+        "task on its own, so the gate would get GPUs beside vLLM's, not vLLM's, and Nomad's docs do not promise that a "
+        "finished prestart task's GPUs go to the main task (hashicorp/nomad#9725; nomad/README.md)"
+    )
+
+
+def test_a_gate_takes_its_time_out_of_the_healthy_deadline():
+    with pytest.raises(ConfigError, match=r"^cfg.yaml:4: jobs\[0\].healthy_deadline_s: healthy_deadline_s \(1800\) must exceed "
+                       r"load_time_s \(900\) \+ gate_time_s \(901\): the gate runs inside the allocation before the model loads"):
+        parse(SHARED_JOB + "    gate: engine\n    gate_time_s: 901\n")
+    assert parse(SHARED_JOB + "    gate: engine\n    gate_time_s: 899\n").jobs[0].gate == "engine"
+
+
 @pytest.mark.parametrize("value, problem", [
     ("0.21.0", None), ("0.10.1.1", None), ("0.11.0rc1", None), ("0.9.2.post1", None),
     ("", "must be a vLLM release version"), ("v0.21.0", "must be a vLLM release version"), ("0.21.0 ", "must be"),

@@ -16,21 +16,34 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import hcl2
 import pytest
 from hcl2.utils import SerializationOptions
 
-from sm12x_bundle import cli
+from sm12x_bundle import cli, jobs
 from sm12x_bundle import config as config_mod
-from sm12x_bundle import jobs
 from sm12x_bundle.errors import ConfigError
 from sm12x_bundle.outputs import nomad
 from sm12x_bundle.plan import files as plan_files
+from sm12x_bundle.selftest import plan as selftest_plan
+from tools.golden.nomad import (
+    ALLOCATOR_GATED_JOB,
+    ARTIFACT_JOB,
+    GATED_JOB,
+    HOST_JOB,
+    ROOT,
+    TARGETS,
+    manifest,
+    render,
+)
 from tools.golden.nomad import GOLDEN as GOLDEN_JOBS
-from tools.golden.nomad import ARTIFACT_JOB, HOST_JOB, ROOT, TARGETS, manifest, render
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden" / "nomad"
@@ -88,14 +101,17 @@ def api_view(doc: dict) -> dict:
     top.done()
     (group,) = job("TaskGroups")
     g = Take(group, "group")
-    (task,) = g("Tasks")
-    t = Take(task, "task")
+    tasks = [Take(task, "task") for task in g("Tasks")]
+    gates = [t for t in tasks if "Lifecycle" in t.d]
+    (t,) = [t for t in tasks if t not in gates]
     view = {
         "job": {"id": job("ID"), "name": job("Name"), "type": job("Type"), "datacenters": job("Datacenters"), "meta": job("Meta")},
         "group": _api_group(g),
         "task": _api_task(t),
+        "gate": _api_task(gates[0]) if gates else None,
     }
-    for part in (job, g, t):
+    assert len(gates) <= 1, "one gate at most"
+    for part in (job, g, *tasks):
         part.done()
     return view
 
@@ -170,10 +186,13 @@ def _api_task(t: Take) -> dict:
         dt = Take(d, "device")
         devices.append({"name": dt("Name"), "count": dt("Count"), "constraints": _api_constraints(dt("Constraints", []))})
         dt.done()
+    kill_timeout = t("KillTimeout", None)
     view = {
         "name": t("Name"),
         "driver": t("Driver"),
-        "kill_timeout": _api_seconds(t("KillTimeout")),
+        "lifecycle": _api_lifecycle(t("Lifecycle", None)),
+        "restart": _api_restart(t("RestartPolicy", None)),
+        "kill_timeout": None if kill_timeout is None else _api_seconds(kill_timeout),
         "env": t("Env"),
         "artifacts": artifacts,
         "resources": {"cpu": res("CPU"), "memory": res("MemoryMB"), "devices": devices},
@@ -181,6 +200,24 @@ def _api_task(t: Take) -> dict:
     }
     cfg.done()
     res.done()
+    return view
+
+
+def _api_lifecycle(lifecycle: dict | None) -> dict | None:
+    if lifecycle is None:
+        return None
+    lt = Take(lifecycle, "lifecycle")
+    view = {"hook": lt("Hook"), "sidecar": lt("Sidecar")}
+    lt.done()
+    return view
+
+
+def _api_restart(restart: dict | None) -> dict | None:
+    if restart is None:
+        return None
+    rt = Take(restart, "restart")
+    view = {"attempts": rt("Attempts"), "mode": rt("Mode")}
+    rt.done()
     return view
 
 
@@ -194,7 +231,7 @@ def _docker_view(cfg: Take) -> dict:
         "image": cfg("image"),
         "entrypoint": cfg("entrypoint"),
         "args": cfg("args"),
-        "ports": cfg("ports"),
+        "ports": cfg("ports", None),
         "readonly_rootfs": cfg("readonly_rootfs"),
         "shm_size": cfg("shm_size"),
         "runtime": cfg("runtime", None),
@@ -237,14 +274,18 @@ def hcl_view(text: str) -> dict:
     ((job_id, job),) = _labeled(top, "job")
     top.done()
     ((group_name, g),) = _labeled(job, "group")
-    ((task_name, t),) = _labeled(g, "task")
+    tasks = _labeled(g, "task")
+    gates = [(name, t) for name, t in tasks if "lifecycle" in t.d]
+    ((task_name, t),) = [(name, t) for name, t in tasks if (name, t) not in gates]
     meta = _block(job, "meta")
     view = {
         "job": {"id": job_id, "name": job_id, "type": job("type"), "datacenters": job("datacenters"), "meta": meta.d},
         "group": _hcl_group(group_name, g),
         "task": _hcl_task(task_name, t),
+        "gate": _hcl_task(*gates[0]) if gates else None,
     }
-    for part in (job, g, t):
+    assert len(gates) <= 1, "one gate at most"
+    for part in (job, g, *(t for _, t in tasks)):
         part.done()
     return view
 
@@ -316,10 +357,13 @@ def _hcl_task(name: str, t: Take) -> dict:
     for label, d in _labeled(res, "device"):
         devices.append({"name": label, "count": d("count"), "constraints": _hcl_constraints(d)})
         d.done()
+    kill_timeout = t("kill_timeout", None)
     view = {
         "name": name,
         "driver": t("driver"),
-        "kill_timeout": _hcl_seconds(t("kill_timeout")),
+        "lifecycle": _hcl_optional_block(t, "lifecycle", ("hook", "sidecar")),
+        "restart": _hcl_optional_block(t, "restart", ("attempts", "mode")),
+        "kill_timeout": None if kill_timeout is None else _hcl_seconds(kill_timeout),
         "env": env.d,
         "artifacts": artifacts,
         "resources": {"cpu": res("cpu"), "memory": res("memory"), "devices": devices},
@@ -327,6 +371,15 @@ def _hcl_task(name: str, t: Take) -> dict:
     }
     cfg.done()
     res.done()
+    return view
+
+
+def _hcl_optional_block(body: Take, key: str, fields: tuple[str, ...]) -> dict | None:
+    if key not in body.d:
+        return None
+    b = _block(body, key)
+    view = {f: b(f) for f in fields}
+    b.done()
     return view
 
 
@@ -342,7 +395,7 @@ def assert_same_job(hcl_bytes: bytes, json_bytes: bytes) -> dict:
 def test_golden_pairs_describe_the_same_job():
     """Their bytes are the renders of tools/golden/nomad.py (tests/test_generated.py)."""
     names = sorted(p.name.removesuffix(".nomad.hcl") for p in GOLDEN.glob("*.nomad.hcl"))
-    assert names == sorted(GOLDEN_JOBS) == ["artifact-job", "host-job"]
+    assert names == sorted(GOLDEN_JOBS) == ["allocator-gated-job", "artifact-job", "gated-job", "host-job"]
     for name in names:
         assert_same_job((GOLDEN / f"{name}.nomad.hcl").read_bytes(), (GOLDEN / f"{name}.nomad.json").read_bytes())
 
@@ -443,6 +496,191 @@ def test_gpus_device_reservation_versus_shared_peers():
     assert shared["group"]["constraints"] == [("${meta.gpu_pool}", "=", "rtx-pro-6000-tp4-a")]
 
 
+# --- the rollout gate ---------------------------------------------------------------
+
+TOOL = {"type": "bind", "source": "/opt/sm12x-bundle/tool", "target": "/opt/sm12x-bundle", "readonly": True}
+
+
+def _sorted_mounts(mounts: list[dict]) -> list[dict]:
+    return sorted(mounts, key=lambda m: m["target"])
+
+
+def test_gate_is_a_prestart_task_with_vllms_image_overlays_env_and_gpus():
+    """Both forms: the gate runs before vLLM (prestart, not a sidecar, never restarted), in the
+    same image with the same mounts, env, nvidia runtime and visible GPUs, plus the tool."""
+    files = render(GATED_JOB)
+    for view in (api_view(json.loads(files["gated-job.nomad.json"])), hcl_view(files["gated-job.nomad.hcl"].decode())):
+        gate, main = view["gate"], view["task"]
+        assert (gate["name"], gate["driver"]) == ("gate", "docker")
+        assert gate["lifecycle"] == {"hook": "prestart", "sidecar": False}
+        assert gate["restart"] == {"attempts": 0, "mode": "fail"}
+        assert gate["docker"]["entrypoint"] == ["python3", "-m", "sm12x_bundle"]
+        assert gate["docker"]["args"] == ["engine-check", "--installed", "--quick", "--lane", "0.21.0"]
+        for key in ("image", "runtime", "readonly_rootfs", "shm_size"):
+            assert gate["docker"][key] == main["docker"][key], key
+        assert main["docker"]["runtime"] == "nvidia" and gate["env"]["NVIDIA_VISIBLE_DEVICES"] == "0,1,2,3"
+        assert _sorted_mounts(gate["docker"]["mounts"]) == _sorted_mounts([*main["docker"]["mounts"], TOOL])
+        assert gate["env"] == {**main["env"], "PYTHONPATH": "/opt/sm12x-bundle/src"}
+        assert gate["resources"] == main["resources"] and gate["resources"]["devices"] == []
+        assert gate["docker"]["ports"] is None and gate["kill_timeout"] is None
+        assert (main["lifecycle"], main["restart"]) == (None, None)
+    tasks = json.loads(files["gated-job.nomad.json"])["Job"]["TaskGroups"][0]["Tasks"]
+    assert [t["Name"] for t in tasks] == ["gate", "vllm"]
+
+
+def test_a_job_without_a_gate_has_one_task():
+    for job, name in ((HOST_JOB, "host-job"), (ARTIFACT_JOB, "artifact-job")):
+        files = render(job)
+        assert api_view(json.loads(files[f"{name}.nomad.json"]))["gate"] is None
+        assert "lifecycle" not in files[f"{name}.nomad.hcl"].decode() and "Rollout gate" not in files[f"{name}.nomad.hcl"].decode()
+
+
+def test_allocator_gate_fetches_the_same_overlay_artifacts():
+    """A relative mount source resolves in the task's own directory, so the gate fetches the
+    overlay files itself; it runs the selftest's scenarios that leave the GPUs' other users alone."""
+    files = render(ALLOCATOR_GATED_JOB)
+    for view in (api_view(json.loads(files["allocator-gated-job.nomad.json"])), hcl_view(files["allocator-gated-job.nomad.hcl"].decode())):
+        gate, main = view["gate"], view["task"]
+        assert gate["docker"]["args"] == ["selftest", "--installed", "--scenario", "inflight-free,stale-error,double-wake,failing-sleep"]
+        assert gate["artifacts"] == main["artifacts"] and len(gate["artifacts"]) == 2
+        assert [m for m in gate["docker"]["mounts"] if m != TOOL] == main["docker"]["mounts"]
+        assert gate["env"]["NVIDIA_VISIBLE_DEVICES"] == "4,5"
+
+
+def test_allocator_gate_scenarios_stay_small_and_in_their_own_process():
+    """The names are the selftest's own, and on a 95 GiB GPU (and any larger) each takes at most
+    2 GiB: a rotation peer asleep or awake on the same GPUs keeps its memory."""
+    chosen = selftest_plan.select([",".join(nomad.GATE_ALLOCATOR_SCENARIOS)])
+    assert [s.name for s in chosen] == ["inflight-free", "stale-error", "double-wake", "failing-sleep"]
+    GiB = 1 << 30
+    for free in (95 * GiB, 180 * GiB):
+        sizes = selftest_plan.plan_sizes(free)
+        assert max(sizes.inflight_bytes, sizes.stale_bytes, 2 * sizes.guard_bytes, sizes.sleep_count * sizes.sleep_each) <= 2 * GiB
+    left_out = {"partial-wake", "moe-churn", "foreign-process", "ranks", "speed", "first-sleep", "rotation", "stress", "fault-stress"}
+    assert left_out.isdisjoint(s.name for s in chosen) and left_out | {s.name for s in chosen} == set(selftest_plan.BY_NAME)
+
+
+def test_engine_gate_needs_the_manifests_pinned_release():
+    m = manifest()
+    del m["pin"]
+    with pytest.raises(ConfigError, match="names no pinned release .pin.version., which the engine gate holds the image to"):
+        render(GATED_JOB, m=m)
+    assert render(ALLOCATOR_GATED_JOB, m=m)  # the selftest takes no --lane
+
+
+def test_gate_notes_name_the_check_and_the_client_checkout():
+    hcl = render(GATED_JOB)["gated-job.nomad.hcl"].decode()
+    assert "# Rollout gate: task \"gate\" runs 'sm12x-bundle engine-check --installed --quick --lane 0.21.0' before vLLM starts;" in hcl
+    assert "#   a checkout of sm12x-bundle (src/ and patches/) at /opt/sm12x-bundle/tool, for the gate" in hcl
+    assert 'plugin "docker" { config { volumes { enabled = true } } }' in render(ALLOCATOR_GATED_JOB)["allocator-gated-job.nomad.hcl"].decode()
+
+
+def _gate_command(checkout: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """The gate's command as the prestart task runs it: `python3 -m sm12x_bundle ...` with only the
+    checkout's src/ on PYTHONPATH, without the modules the target image lacks (docker, hcl2)."""
+    blocker = (
+        "import runpy, sys\n"
+        "for name in ('docker', 'hcl2', 'lark'):\n"
+        "    sys.modules[name] = None\n"
+        "sys.argv = ['sm12x-bundle', *sys.argv[1:]]\n"
+        "runpy.run_module('sm12x_bundle', run_name='__main__', alter_sys=True)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(checkout / "src"), "SM12X_BUNDLE_CACHE": str(cwd / "cache")}
+    return subprocess.run([sys.executable, "-c", blocker, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def gate_checkout(tmp_path):
+    """What gate_tool_dir holds: src/ and patches/ of this checkout; and a stand-in vLLM 0.21.0 install."""
+    checkout = tmp_path / "tool"
+    for part in ("src", "patches"):
+        shutil.copytree(REPO / part, checkout / part, ignore=shutil.ignore_patterns("__pycache__"))
+    install = tmp_path / "site"
+    (install / "vllm").mkdir(parents=True)
+    (install / "vllm" / "__init__.py").write_text("")
+    (install / "vllm-0.21.0.dist-info").mkdir()
+    (install / "vllm-0.21.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.21.0\n\n")
+    (tmp_path / "cwd").mkdir()
+    return checkout, install, tmp_path / "cwd"
+
+
+def test_the_gates_command_runs_from_a_checkout_without_docker_or_hcl2(gate_checkout):
+    """Up to the GPU: the config (the embedded default's lanes, whose series are in patches/), the
+    lane and the arguments pass; here it stops at the missing NVIDIA driver, on a node at the GPU.
+    --vllm-path stands in for the image's vLLM, which the gate finds on its own."""
+    checkout, install, cwd = gate_checkout
+    args = list(nomad.gate_args("engine", manifest(), "w"))
+    done = _gate_command(checkout, cwd, *args, "--vllm-path", str(install))
+    assert done.returncode == 12 and "no NVIDIA driver here" in done.stderr, done.stderr
+    other = [*args[:-1], "0.33.0"]
+    done = _gate_command(checkout, cwd, *other, "--vllm-path", str(install))
+    assert done.returncode == 3 and "--lane 0.33.0 disagrees with the vLLM under test" in done.stderr, done.stderr
+    done = _gate_command(checkout, cwd, *nomad.gate_args("allocator", manifest(), "w"))
+    assert done.returncode == 2 and "no vLLM is installed in this Python" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_src_alone_is_not_enough_for_the_gate(gate_checkout):
+    checkout, install, cwd = gate_checkout
+    shutil.rmtree(checkout / "patches")
+    done = _gate_command(checkout, cwd, *nomad.gate_args("engine", manifest(), "w"), "--vllm-path", str(install))
+    assert done.returncode == 3 and "no series is shipped for vLLM 0.21.0" in done.stderr, done.stderr
+
+
+# --- the host-RAM preflight -------------------------------------------------------------
+
+# The seeds' node with both peers at memory_mb 98304 (96 GiB each).
+PEERS = [GATED_JOB, GATED_JOB.replace("name: gated-job", "name: peer-job").replace("port: 8003", "port: 8005")]
+
+
+def test_host_ram_arithmetic():
+    b = jobs.HostRam(node_gib=192, jobs=(("a", 96.0), ("b", 96.0)))
+    assert b.total_gib == 200 and not b.fits()
+    assert b.describe() == "96 GiB a + 96 GiB b + 8 GiB margin = 200 GiB"
+    assert jobs.HostRam(node_gib=200, jobs=(("a", 96.0), ("b", 96.0))).fits()
+
+
+def test_host_ram_counts_every_job_of_the_node():
+    files = render(*PEERS)
+    for name in ("gated-job", "peer-job"):
+        assert (
+            "# Host RAM budget of this job's node: 96 GiB gated-job + 96 GiB peer-job + 8 GiB margin = 200 GiB of 256 GiB."
+            in files[f"{name}.nomad.hcl"].decode()
+        )
+
+
+def test_host_ram_that_does_not_fit_names_the_numbers_and_the_jobs():
+    small = [PEERS[0].replace("host_ram_gib: 256", "host_ram_gib: 192"), PEERS[1].replace("host_ram_gib: 256", "host_ram_gib: 192")]
+    with pytest.raises(ConfigError) as exc:
+        render(*small)
+    line = TARGETS.count("\n") + 1 + GATED_JOB.splitlines().index("    host_ram_gib: 256") + 1
+    assert str(exc.value) == (
+        f"cfg.yaml:{line}: jobs[0].host_ram_gib: the host RAM budget does not fit: 96 GiB gated-job + 96 GiB peer-job"
+        " + 8 GiB margin = 200 GiB > 192 GiB host_ram_gib (each job's memory_mb holds its engine's weights, pinned by"
+        " the backup pool awake or asleep): lower memory_mb, or place the jobs on a node with more RAM"
+    )
+
+
+def test_host_ram_groups_jobs_by_their_node():
+    """Another node's job does not count; a device job (the device plugin picks its node) counts alone."""
+    elsewhere = PEERS[1].replace("rtx-pro-6000-tp4-a", "rtx-pro-6000-tp4-b").replace("host_ram_gib: 256", "host_ram_gib: 104")
+    files = render(PEERS[0].replace("host_ram_gib: 256", "host_ram_gib: 104"), elsewhere)
+    assert "96 GiB gated-job + 8 GiB margin = 104 GiB of 104 GiB" in files["gated-job.nomad.hcl"].decode()
+    with pytest.raises(ConfigError, match="jobs\\[0\\].host_ram_gib: .* 64 GiB host-job \\+ 8 GiB margin = 72 GiB > 70 GiB"):
+        render(HOST_JOB + "    host_ram_gib: 70\n")
+
+
+def test_jobs_of_one_node_give_one_host_ram():
+    other = PEERS[1].replace("host_ram_gib: 256", "host_ram_gib: 512")
+    with pytest.raises(ConfigError, match="jobs that share a node give different host_ram_gib \\('gated-job' 256 GiB, 'peer-job' 512 GiB\\)"):
+        render(PEERS[0], other)
+
+
+def test_without_host_ram_the_note_says_it_was_not_checked():
+    hcl = render(HOST_JOB)["host-job.nomad.hcl"].decode()
+    assert "# Host RAM budget: not checked (no host_ram_gib for this job's node)." in hcl
+
+
 # --- the committed examples ---------------------------------------------------------
 
 
@@ -458,6 +696,8 @@ def test_examples_are_the_rotation():
         assert job.gpu_memory_utilization == 0.70
     assert {j.node_constraints["${meta.gpu_pool}"] for j in cfg.jobs} == {"rtx-pro-6000-tp4-a"}
     assert cfg.jobs[0].non_cumem_gib == 22
+    # The gate is opt-in and has never run under a Nomad; the seeds' node RAM is not known here.
+    assert [(j.gate, j.host_ram_gib) for j in cfg.jobs] == [("none", None)] * 2
 
 
 @pytest.mark.parametrize("name", example_pairs())

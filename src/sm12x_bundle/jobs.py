@@ -1,7 +1,8 @@
 """The rules of a Nomad job, in the words both the config check and the Nomad renderer use:
-what a job asks of its node (the GPU memory budget), the vllm serve flags and environment the
-job spec sets itself, and the checks of every job value, run when the config is loaded so
-that ``--dry-run`` refuses what a render would.
+what a job asks of its node (the GPU memory budget, the host-RAM budget of the jobs that
+share a node), the vllm serve flags and environment the job spec sets itself, where the
+rollout gate finds sm12x-bundle, and the checks of every job value, run when the config is
+loaded so that ``--dry-run`` refuses what a render would.
 
 Below config and outputs/nomad: each imports it, it imports neither.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
@@ -124,6 +126,96 @@ def managed_env(job: JobConfig) -> dict[str, str]:
     return env
 
 
+# --- the rollout gate -------------------------------------------------------------
+#
+# The target image does not carry sm12x-bundle: the gate task mounts the client's
+# gate_tool_dir (a checkout: src/ and patches/, which the embedded default's lanes need)
+# read-only here and puts src/ on PYTHONPATH. The config refuses a host mount on this path
+# and an env that sets what gate_env sets.
+GATE_TOOL_MOUNT = "/opt/sm12x-bundle"
+
+
+def gate_env() -> dict[str, str]:
+    """What the gate adds to the main task's env: where sm12x-bundle is."""
+    return {"PYTHONPATH": f"{GATE_TOOL_MOUNT}/src"}
+
+
+# --- the host-RAM budget ----------------------------------------------------------
+#
+# The backup pool (patch cumem-backup-pool) pins each engine's weights in host memory from
+# the model load on, awake or asleep: a node of two rotation peers holds both peers' weights
+# at once (engine core RSS 25.57 GiB awake and asleep for 24.24 GiB of weights, H100,
+# docs/records/engine-check-0.21.0-cycles-level2-h100-2026-11-25.json). Each job's memory_mb
+# must hold its own share; the node's RAM must hold every job's that runs there.
+
+# What a node keeps for itself besides the jobs (the OS, the Nomad client, Docker): a chosen
+# allowance, not a measurement; a client `reserved { memory = 8192 }` states the same to Nomad.
+HOST_RAM_MARGIN_GIB = 8.0
+
+
+@dataclass(frozen=True)
+class HostRam:
+    """What one node's RAM must hold: the memory_mb of every job placed there, and a margin."""
+
+    node_gib: float
+    jobs: tuple[tuple[str, float], ...]  # (job name, its memory_mb in GiB), in the config's order
+    margin_gib: float = HOST_RAM_MARGIN_GIB
+
+    @property
+    def total_gib(self) -> float:
+        return sum(gib for _, gib in self.jobs) + self.margin_gib
+
+    def fits(self) -> bool:
+        return self.total_gib <= self.node_gib + 1e-9
+
+    def describe(self) -> str:
+        parts = [f"{number(gib)} GiB {name}" for name, gib in self.jobs]
+        return " + ".join([*parts, f"{number(self.margin_gib)} GiB margin"]) + f" = {number(self.total_gib)} GiB"
+
+
+def node_of(job: JobConfig) -> tuple | None:
+    """The node a job shares with others: rotation peers (gpu_allocation 'shared') pinned by the
+    same node_constraints, as the peer-port check groups them. None: a node of the device
+    plugin's choosing, which the config cannot name."""
+    if job.gpu_allocation != "shared":
+        return None
+    return tuple(sorted(job.node_constraints.items()))
+
+
+def node_groups(jobs: Sequence[JobConfig]) -> list[list[int]]:
+    """The indices of the jobs on each node, in the config's order (a job of no shared node alone)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, job in enumerate(jobs):
+        node = node_of(job)
+        groups.setdefault(("alone", i) if node is None else ("node", node), []).append(i)
+    return list(groups.values())
+
+
+def node_peers(jobs: Sequence[JobConfig], job: JobConfig) -> list[JobConfig]:
+    """The jobs that share ``job``'s node, itself included, in the config's order."""
+    node = node_of(job)
+    return [job] if node is None else [j for j in jobs if node_of(j) == node]
+
+
+def check_host_ram(peers: Sequence[JobConfig], where: str) -> HostRam | None:
+    """The host-RAM preflight of one node's jobs (None: none of them gives host_ram_gib);
+    raise ConfigError naming the numbers and the jobs when they do not fit."""
+    given = {j.name: j.host_ram_gib for j in peers if j.host_ram_gib is not None}
+    if not given:
+        return None
+    if len(set(given.values())) > 1:
+        each = ", ".join(f"{name!r} {number(gib)} GiB" for name, gib in given.items())
+        raise ConfigError(f"{where}: jobs that share a node give different host_ram_gib ({each}): give the node's RAM once")
+    budget = HostRam(next(iter(given.values())), tuple((j.name, j.memory_mb / 1024) for j in peers))
+    if budget.fits():
+        return budget
+    raise ConfigError(
+        f"{where}: the host RAM budget does not fit: {budget.describe()} > {number(budget.node_gib)} GiB host_ram_gib"
+        " (each job's memory_mb holds its engine's weights, pinned by the backup pool awake or asleep):"
+        " lower memory_mb, or place the jobs on a node with more RAM"
+    )
+
+
 def number(x: float) -> str:
     return f"{round(x, 2):g}"
 
@@ -138,6 +230,7 @@ ALLOCATIONS = ("device", "shared")
 
 
 PROVIDERS = ("nomad", "consul")
+GATES = ("none", "engine", "allocator")
 
 
 def check_jobs(jobs: tuple[JobConfig, ...], targets: list[str], at: Where) -> None:
@@ -161,6 +254,7 @@ def check_jobs(jobs: tuple[JobConfig, ...], targets: list[str], at: Where) -> No
         for check in _JOB_CHECKS:
             check(job, key, at)
     _check_peer_ports(jobs, at)
+    _check_host_ram(jobs, at)
 
 
 def _job_text(job: JobConfig, key: str, at: Where) -> None:
@@ -180,6 +274,7 @@ def _job_choices(job: JobConfig, key: str, at: Where) -> None:
         ("overlay_delivery", job.overlay_delivery, DELIVERIES),
         ("gpu_allocation", job.gpu_allocation, ALLOCATIONS),
         ("service_provider", job.service_provider, PROVIDERS),
+        ("gate", job.gate, GATES),
     ):
         if value not in choices:
             at.fail(f"{key}.{name}", f"unknown {name} {value!r}: choose one of {', '.join(choices)}")
@@ -225,6 +320,8 @@ def _job_memory(job: JobConfig, key: str, at: Where) -> None:
     for name in ("non_cumem_gib", "peer_residue_gib"):
         if getattr(job, name) < 0:
             at.fail(f"{key}.{name}", f"must be 0 or more, not {getattr(job, name):g}")
+    if job.host_ram_gib is not None and job.host_ram_gib <= 0:
+        at.fail(f"{key}.host_ram_gib", f"must be positive, not {job.host_ram_gib:g}")
     util = f"{key}.gpu_memory_utilization"
     check_budget(job, f"{at.origin}:{at.line(util)}: {util}")
 
@@ -286,7 +383,50 @@ def _job_container(job: JobConfig, key: str, at: Where) -> None:
         at.check(f"{key}.host_mounts.{container}", absolute_problem(container) or absolute_problem(host))
 
 
-_JOB_CHECKS = (_job_text, _job_choices, _job_gpus, _job_memory, _job_sizes, _job_timing, _job_delivery, _job_container)
+# A gate with gpu_allocation 'device': Nomad's scheduler reserves device instances for each task of
+# a group on its own (scheduler/rank.go, BinPackIterator), and its docs do not say a finished
+# prestart task hands them to the main task (hashicorp/nomad#9725 is open for that).
+_GATE_NEEDS_SHARED = (
+    "a gate needs gpu_allocation 'shared': with 'device', Nomad reserves GPUs for each task on its own, "
+    "so the gate would get GPUs beside vLLM's, not vLLM's, and Nomad's docs do not promise that a finished "
+    "prestart task's GPUs go to the main task (hashicorp/nomad#9725; nomad/README.md)"
+)
+
+
+def _job_gate(job: JobConfig, key: str, at: Where) -> None:
+    """A gate runs the check with the main task's interpreter, env and GPUs, before vLLM loads."""
+    if job.gate == "none":
+        return
+    if job.gpu_allocation != "shared":
+        at.fail(f"{key}.gate", _GATE_NEEDS_SHARED)
+    at.check(f"{key}.gate_tool_dir", absolute_problem(job.gate_tool_dir))
+    if job.entrypoint[1:2] != ("-m",):
+        at.fail(
+            f"{key}.entrypoint",
+            f"the gate runs sm12x-bundle with the entrypoint's Python ('PYTHON -m ...'), and {list(job.entrypoint)} "
+            "names none: write it as [python3, -m, vllm.entrypoints.cli.main, serve]",
+        )
+    for name in sorted(gate_env().keys() & job.env.keys()):
+        at.fail(f"{key}.env.{name}", f"env {name} is set by sm12x-bundle in the gate ({gate_env()[name]!r}); remove it from env")
+    if GATE_TOOL_MOUNT in job.host_mounts:
+        at.fail(f"{key}.host_mounts.{GATE_TOOL_MOUNT}", f"{GATE_TOOL_MOUNT} is where the gate mounts gate_tool_dir; mount elsewhere")
+    _job_gate_time(job, key, at)
+
+
+def _job_gate_time(job: JobConfig, key: str, at: Where) -> None:
+    if job.gate_time_s <= 0:
+        at.fail(f"{key}.gate_time_s", f"must be positive, not {job.gate_time_s}")
+    if job.healthy_deadline_s <= job.load_time_s + job.gate_time_s:
+        at.fail(
+            f"{key}.healthy_deadline_s",
+            f"healthy_deadline_s ({job.healthy_deadline_s}) must exceed load_time_s ({job.load_time_s}) + gate_time_s "
+            f"({job.gate_time_s}): the gate runs inside the allocation before the model loads",
+        )
+
+
+_JOB_CHECKS = (
+    _job_text, _job_choices, _job_gpus, _job_memory, _job_sizes, _job_timing, _job_delivery, _job_container, _job_gate,
+)
 
 
 def _check_peer_ports(jobs: tuple[JobConfig, ...], at: Where) -> None:
@@ -300,3 +440,12 @@ def _check_peer_ports(jobs: tuple[JobConfig, ...], at: Where) -> None:
             peers = f"jobs {seen[node]!r} and {job.name!r}"
             at.fail(f"jobs[{i}].port", f"{peers} share a node and both use port {job.port}")
         seen[node] = job.name
+
+
+def _check_host_ram(jobs: tuple[JobConfig, ...], at: Where) -> None:
+    """The jobs that share a node fit in its RAM: named at the first job of the node that gives host_ram_gib."""
+    for group in node_groups(jobs):
+        given = [i for i in group if jobs[i].host_ram_gib is not None]
+        if given:
+            key = f"jobs[{given[0]}].host_ram_gib"
+            check_host_ram([jobs[i] for i in group], f"{at.origin}:{at.line(key)}: {key}")

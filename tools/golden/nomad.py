@@ -101,6 +101,49 @@ ARTIFACT_JOB = """\
 """
 
 
+# A rotation peer with the engine gate, as the seeds' jobs would turn it on (host delivery).
+GATED_JOB = """\
+  - name: gated-job
+    model: /models/DeepSeek-V4-Flash
+    target: vllm-openai-v0.21.0
+    tensor_parallel_size: 4
+    gpus: 4
+    gpu_allocation: shared
+    gpu_ids: ["0", "1", "2", "3"]
+    node_constraints: {"${meta.gpu_pool}": rtx-pro-6000-tp4-a}
+    gpu_memory_utilization: 0.70
+    non_cumem_gib: 22
+    peer_residue_gib: 4.8
+    port: 8003
+    env: {HF_HUB_OFFLINE: "1"}
+    host_mounts: {/models: /srv/models}
+    overlay_delivery: host
+    memory_mb: 98304
+    host_ram_gib: 256
+    gate: engine
+    gate_tool_dir: /opt/sm12x-bundle/tool
+"""
+
+# The allocator gate with artifact delivery: the gate fetches the overlay files too.
+ALLOCATOR_GATED_JOB = """\
+  - name: allocator-gated-job
+    model: /models/MiMo-V2.5-Flash
+    target: vllm-openai-v0.21.0
+    tensor_parallel_size: 2
+    gpus: 2
+    gpu_allocation: shared
+    gpu_ids: ["4", "5"]
+    node_constraints: {"${meta.gpu_pool}": rtx-pro-6000-tp2-b}
+    gpu_memory_utilization: 0.70
+    non_cumem_gib: 22
+    peer_residue_gib: 4.8
+    port: 8004
+    overlay_delivery: artifact
+    artifact_base_url: https://overlays.example.internal/sm12x/
+    gate: allocator
+"""
+
+
 def parse(text: str) -> config_mod.Config:
     return config_mod.parse(text, "cfg.yaml", Path("/base"))
 
@@ -117,4 +160,6 @@ def render(*jobs: str, m: dict | None = None) -> dict[str, bytes]:
 GOLDEN: dict[str, Callable[[], dict[str, bytes]]] = {
     "host-job": lambda: render(HOST_JOB),
     "artifact-job": lambda: render(ARTIFACT_JOB),
+    "gated-job": lambda: render(GATED_JOB),
+    "allocator-gated-job": lambda: render(ALLOCATOR_GATED_JOB),
 }

@@ -143,8 +143,12 @@ class JobConfig:
     artifact_base_url: str | None = None
     datacenters: tuple[str, ...] = ("dc1",)
     cpu_mhz: int = 16000
-    # Sleeping weights live in pinned host memory, inside this limit.
+    # Sleeping weights live in pinned host memory, inside this limit (with the backup pool,
+    # awake too: the pool pins them from the model load on).
     memory_mb: int = 65536
+    # The node's RAM: the jobs that share a node must fit their memory_mb and a margin in it
+    # (None: not checked).
+    host_ram_gib: float | None = None
     shm_size_mb: int = 16384
     disk_mb: int = 20480
     readonly_rootfs: bool = True
@@ -154,6 +158,16 @@ class JobConfig:
     healthy_deadline_s: int = 1800
     progress_deadline_s: int = 2400
     kill_timeout_s: int = 300
+    # The rollout gate, a prestart task in the target image with the same overlays, before
+    # vLLM starts: "none"; "engine" (engine-check --installed --quick); "allocator" (selftest
+    # --installed, the scenarios that leave the GPUs' other users alone). A failing gate
+    # fails the allocation. Needs gpu_allocation "shared" (see nomad/README.md).
+    gate: str = "none"
+    # A checkout of sm12x-bundle on every client (src/ and patches/: the embedded default's
+    # lanes need their series), bind-mounted read-only into the gate: the image lacks the tool.
+    gate_tool_dir: str = "/opt/sm12x-bundle/tool"
+    # The longest the gate may take; it runs inside healthy_deadline_s, before the load.
+    gate_time_s: int = 600
 
 
 @dataclass(frozen=True)

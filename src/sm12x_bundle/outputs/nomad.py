@@ -9,7 +9,11 @@ The same config and manifests give the same bytes.
 
 Field names follow Nomad's ``api`` package (api/jobs.go, api/tasks.go, api/services.go,
 api/resources.go, api/constraint.go) and the docker driver's task config spec
-(drivers/docker/config.go). Durations in the API JSON are nanoseconds.
+(drivers/docker/config.go). Durations in the API JSON are nanoseconds. The rollout gate's
+``Tasks[].Lifecycle`` (``Hook``, ``Sidecar``) and ``Tasks[].RestartPolicy`` (``Attempts``,
+``Mode``) are api.TaskLifecycle and api.RestartPolicy, as the client generated from that
+package spells them (hashicorp/nomad-openapi clients/go/v1/model_task.go,
+model_task_lifecycle.go, model_restart_policy.go).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import json
 import math
 import posixpath
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
@@ -26,7 +30,18 @@ from urllib.parse import quote
 from ..config import Config, JobConfig
 from ..errors import ConfigError, VerifyError
 from ..fsutil import Destination, write_files
-from ..jobs import Budget, check_budget, managed_env, number
+from ..jobs import (
+    GATE_TOOL_MOUNT,
+    Budget,
+    HostRam,
+    check_budget,
+    check_host_ram,
+    gate_env,
+    managed_env,
+    node_peers,
+    number,
+)
+from ..values import version_problem
 
 GROUP = "vllm"
 TASK = "vllm"
@@ -45,6 +60,17 @@ ROOT_CACHE_SOURCE = "../alloc/data"
 # each job keeps its own caches.
 STICKY_DISK = {"sticky": True, "migrate": True}
 OVERLAY_DEST = "local/overlay"
+
+# The rollout gate: a prestart task of the same group (sm12x-bundle reaches it through
+# jobs.GATE_TOOL_MOUNT).
+GATE_TASK = "gate"
+# The allocator scenarios a gate runs (selftest/plan.py): each stays in its own process and
+# takes at most 2 GiB of the GPU (failing-sleep: 8 x 256 MiB, and as much pinned host memory),
+# so a rotation peer on the same GPUs does not feel them. Left out: partial-wake and
+# moe-churn fill the GPU, foreign-process and ranks take memory in another process (ranks
+# also uses every GPU), speed, first-sleep and rotation size themselves by the free memory
+# (up to 32 GiB, GPU and pinned host), stress and fault-stress run 1,000 and 10,000 cycles.
+GATE_ALLOCATOR_SCENARIOS = ("inflight-free", "stale-error", "double-wake", "failing-sleep")
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HASH16 = re.compile(r"[0-9a-f]{16}")
@@ -151,6 +177,18 @@ class Constraint:
 
 
 @dataclass(frozen=True)
+class Gate:
+    """The prestart task that checks the patched vLLM in the target image before vLLM starts:
+    the main task's image, overlays, env and GPUs, plus sm12x-bundle mounted read-only."""
+
+    kind: str  # "engine" or "allocator"
+    entrypoint: tuple[str, ...]
+    args: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    mounts: tuple[Mount, ...]
+
+
+@dataclass(frozen=True)
 class JobSpec:
     """Everything both renderers need, resolved once."""
 
@@ -164,6 +202,7 @@ class JobSpec:
     device_constraints: tuple[Constraint, ...]
     meta: tuple[tuple[str, str], ...]
     notes: tuple[str, ...] = ()
+    gate: Gate | None = None
 
     @property
     def shared_gpus(self) -> bool:
@@ -185,11 +224,14 @@ def plan_job(config: Config, job: JobConfig, manifest: Mapping) -> JobSpec:
     mounts, artifacts = _overlay(job, manifest, files)
     mounts = sorted(mounts + _cache_and_host_mounts(job), key=lambda m: m.target)
     _check_unique_targets(mounts, where)
+    env = tuple(sorted({**job.env, **managed_env(job)}.items()))
+    gate = plan_gate(job, manifest, env, mounts, where)
+    host_ram = check_host_ram(node_peers(config.jobs, job), where)
     return JobSpec(
         job=job,
         image=image,
         args=vllm_args(job),
-        env=tuple(sorted({**job.env, **managed_env(job)}.items())),
+        env=env,
         mounts=tuple(mounts),
         artifacts=tuple(artifacts),
         constraints=tuple(Constraint(a, "=", v) for a, v in sorted(job.node_constraints.items())),
@@ -199,8 +241,44 @@ def plan_job(config: Config, job: JobConfig, manifest: Mapping) -> JobSpec:
             ("sm12x_overlay_hash", manifest["content_hash"]),
             ("sm12x_target", job.target),
         ),
-        notes=_notes(job, manifest, budget),
+        notes=_notes(job, manifest, budget, host_ram, gate),
+        gate=gate,
     )
+
+
+def plan_gate(job: JobConfig, manifest: Mapping, env: tuple, mounts: list[Mount], where: str) -> Gate | None:
+    """The rollout gate of a job that asks for one: the check runs with the main task's
+    interpreter (entrypoint[0], the Python whose vLLM the overlays patch), env and mounts."""
+    if job.gate == "none":
+        return None
+    gate_mounts = sorted([*mounts, Mount(job.gate_tool_dir, GATE_TOOL_MOUNT)], key=lambda m: m.target)
+    _check_unique_targets(gate_mounts, f"{where}: gate")
+    return Gate(
+        kind=job.gate,
+        entrypoint=(job.entrypoint[0], "-m", "sm12x_bundle"),
+        args=gate_args(job.gate, manifest, where),
+        env=tuple(sorted({**dict(env), **gate_env()}.items())),
+        mounts=tuple(gate_mounts),
+    )
+
+
+def gate_args(kind: str, manifest: Mapping, where: str) -> tuple[str, ...]:
+    """The check's command line. The engine check is held to the release the overlay was made
+    for (--lane): an image of another release fails the gate instead of testing the wrong code."""
+    if kind == "allocator":
+        return ("selftest", "--installed", "--scenario", ",".join(GATE_ALLOCATOR_SCENARIOS))
+    return ("engine-check", "--installed", "--quick", "--lane", _overlay_release(manifest, where))
+
+
+def _overlay_release(manifest: Mapping, where: str) -> str:
+    pin = manifest.get("pin")
+    release = pin.get("version") if isinstance(pin, dict) else None
+    if not isinstance(release, str) or version_problem(release):
+        raise ConfigError(
+            f"{where}: the overlay manifest for {manifest['target']!r} names no pinned release (pin.version), "
+            "which the engine gate holds the image to: run 'sm12x-bundle overlay' again"
+        )
+    return release
 
 
 def vllm_args(job: JobConfig) -> tuple[str, ...]:
@@ -256,24 +334,43 @@ def _device_constraints(job: JobConfig) -> tuple[Constraint, ...]:
     return (Constraint("${device.model}", "regexp", job.gpu_model), memory)
 
 
-def _notes(job: JobConfig, manifest: Mapping, budget: Budget) -> tuple[str, ...]:
+def _notes(job: JobConfig, manifest: Mapping, budget: Budget, host_ram: HostRam | None, gate: Gate | None) -> tuple[str, ...]:
     n = len(manifest["files"])
     notes = [
         f'Generated by sm12x-bundle from job "{job.name}" of the config: edit the config, not this file.',
         f"Overlay {manifest['content_hash']} of target {job.target}: {n} file{'s' * (n != 1)}, "
         f"{job.overlay_delivery} delivery.",
         f"GPU memory budget: {budget.describe()} of {number(budget.capacity_gib)} GiB.",
+        _host_ram_note(host_ram),
+        *_gate_notes(gate),
         "Nomad deploys this job alone: nothing orders it against its rotation peer. Walk the rotation:",
         f"  nomad job run this file, wait until 'nomad job status {job.name}' (or GET /v1/job/{job.name}/deployment)",
         "  shows its latest deployment successful, POST /sleep to it, then the same for the next job.",
         "Client settings this job needs:",
         f'  client {{ max_kill_timeout = "{job.kill_timeout_s}s" }} or more (the default 30s cuts kill_timeout short)',
     ]
-    if job.overlay_delivery == "host" or job.host_mounts:
+    if job.overlay_delivery == "host" or job.host_mounts or gate:
         notes.append('  plugin "docker" { config { volumes { enabled = true } } } (host-path bind mounts)')
     if job.gpu_allocation == "shared":
         notes.append('  the "nvidia" docker runtime, and these GPUs in the nvidia plugin\'s ignored_gpu_ids')
+    if gate:
+        notes.append(f"  a checkout of sm12x-bundle (src/ and patches/) at {job.gate_tool_dir}, for the gate")
     return tuple(notes)
+
+
+def _host_ram_note(host_ram: HostRam | None) -> str:
+    if host_ram is None:
+        return "Host RAM budget: not checked (no host_ram_gib for this job's node)."
+    return f"Host RAM budget of this job's node: {host_ram.describe()} of {number(host_ram.node_gib)} GiB."
+
+
+def _gate_notes(gate: Gate | None) -> list[str]:
+    if gate is None:
+        return []
+    return [
+        f"Rollout gate: task \"{GATE_TASK}\" runs 'sm12x-bundle {' '.join(gate.args)}' before vLLM starts;",
+        "  if it fails, the allocation fails, and auto_revert goes back to the last stable version (nomad/README.md).",
+    ]
 
 
 # --- API JSON -------------------------------------------------------------------
@@ -309,7 +406,7 @@ def _api_group(spec: JobSpec) -> dict:
             "AutoRevert": True,
         },
         "Services": [_api_service(job)],
-        "Tasks": [_api_task(spec)],
+        "Tasks": [_api_gate_task(spec), _api_task(spec)] if spec.gate else [_api_task(spec)],
     }
     if spec.constraints:
         group["Constraints"] = [_api_constraint(c) for c in spec.constraints]
@@ -340,15 +437,7 @@ def _api_task(spec: JobSpec) -> dict:
         "KillTimeout": job.kill_timeout_s * _NS,
     }
     if spec.artifacts:
-        task["Artifacts"] = [
-            {
-                "GetterSource": a.source,
-                "GetterMode": "file",
-                "GetterOptions": {"checksum": a.checksum},
-                "RelativeDest": a.destination,
-            }
-            for a in spec.artifacts
-        ]
+        task["Artifacts"] = _api_artifacts(spec.artifacts)
     if not spec.shared_gpus:
         device = {"Name": "nvidia/gpu", "Count": job.gpus}
         device["Constraints"] = [_api_constraint(c) for c in spec.device_constraints]
@@ -356,18 +445,49 @@ def _api_task(spec: JobSpec) -> dict:
     return task
 
 
+def _api_gate_task(spec: JobSpec) -> dict:
+    """The gate: a prestart task that must exit 0 before vLLM's task starts. No restart: a
+    check that failed once is an answer, not a glitch to retry."""
+    gate, job = spec.gate, spec.job
+    assert gate is not None
+    task = {
+        "Name": GATE_TASK,
+        "Driver": "docker",
+        "Lifecycle": {"Hook": "prestart", "Sidecar": False},
+        "Config": _container_config(spec, gate.entrypoint, gate.args, gate.mounts, ports=False),
+        "Env": dict(gate.env),
+        # The same as vLLM's task: the gate adds nothing if Nomad sizes the allocation for the
+        # larger of a non-sidecar prestart task and the main tasks, as nomad#9725 describes.
+        "Resources": {"CPU": job.cpu_mhz, "MemoryMB": job.memory_mb},
+        "RestartPolicy": {"Attempts": 0, "Mode": "fail"},
+    }
+    if spec.artifacts:  # a relative mount source resolves in the gate's own task directory
+        task["Artifacts"] = _api_artifacts(spec.artifacts)
+    return task
+
+
+def _api_artifacts(artifacts: tuple[Artifact, ...]) -> list[dict]:
+    return [
+        {"GetterSource": a.source, "GetterMode": "file", "GetterOptions": {"checksum": a.checksum}, "RelativeDest": a.destination}
+        for a in artifacts
+    ]
+
+
 def _docker_config(spec: JobSpec) -> dict:
+    return _container_config(spec, spec.job.entrypoint, spec.args, spec.mounts, ports=True)
+
+
+def _container_config(spec: JobSpec, entrypoint: Sequence[str], args: Sequence[str], mounts: Sequence[Mount], ports: bool) -> dict:
     config = {
         "image": spec.image,
-        "entrypoint": list(spec.job.entrypoint),
-        "args": list(spec.args),
-        "ports": [PORT_LABEL],
+        "entrypoint": list(entrypoint),
+        "args": list(args),
         "readonly_rootfs": spec.job.readonly_rootfs,
         "shm_size": spec.job.shm_size_mb * 1024 * 1024,
-        "mount": [
-            {"type": "bind", "source": m.source, "target": m.target, "readonly": m.readonly} for m in spec.mounts
-        ],
+        "mount": [{"type": "bind", "source": m.source, "target": m.target, "readonly": m.readonly} for m in mounts],
     }
+    if ports:
+        config["ports"] = [PORT_LABEL]
     if spec.shared_gpus:
         config["runtime"] = "nvidia"
     return config
@@ -434,6 +554,7 @@ def _hcl_group(spec: JobSpec) -> _Block:
             ],
         ),
         _hcl_service(job),
+        *([_hcl_gate_task(spec)] if spec.gate else []),
         _hcl_task(spec),
     ]
     return _Block("group", (GROUP,), body)
@@ -469,21 +590,40 @@ def _hcl_task(spec: JobSpec) -> _Block:
     return _Block("task", (TASK,), body)
 
 
-def _hcl_config(spec: JobSpec) -> _Block:
-    job = spec.job
+def _hcl_gate_task(spec: JobSpec) -> _Block:
+    gate, job = spec.gate, spec.job
+    assert gate is not None
     body: list = [
-        ("image", spec.image),
-        ("entrypoint", list(job.entrypoint)),
-        ("args", list(spec.args)),
-        ("ports", [PORT_LABEL]),
-        ("readonly_rootfs", job.readonly_rootfs),
-        ("shm_size", job.shm_size_mb * 1024 * 1024),
+        _Comment("The rollout gate: vLLM's task starts only once this exits 0, in the same image with the same"),
+        _Comment("overlays, env and GPUs. A failure fails the allocation; no restart (a failed check is an answer)."),
+        _Block("lifecycle", body=[("hook", "prestart"), ("sidecar", False)]),
+        ("driver", "docker"),
+        _Block("restart", body=[("attempts", 0), ("mode", "fail")]),
+        _hcl_container(spec, gate.entrypoint, gate.args, gate.mounts, ports=False),
+        _Block("env", body=list(gate.env)),
+        *[_hcl_artifact(a) for a in spec.artifacts],
+        _Comment("The same as vLLM's task: it adds nothing if Nomad sizes the allocation for the larger"),
+        _Comment("of the two, as nomad#9725 describes (Nomad's docs do not say)."),
+        _Block("resources", body=[("cpu", job.cpu_mhz), ("memory", job.memory_mb)]),
     ]
+    return _Block("task", (GATE_TASK,), body)
+
+
+def _hcl_config(spec: JobSpec) -> _Block:
+    return _hcl_container(spec, spec.job.entrypoint, spec.args, spec.mounts, ports=True)
+
+
+def _hcl_container(spec: JobSpec, entrypoint: Sequence[str], args: Sequence[str], mounts: Sequence[Mount], ports: bool) -> _Block:
+    job = spec.job
+    body: list = [("image", spec.image), ("entrypoint", list(entrypoint)), ("args", list(args))]
+    if ports:
+        body.append(("ports", [PORT_LABEL]))
+    body += [("readonly_rootfs", job.readonly_rootfs), ("shm_size", job.shm_size_mb * 1024 * 1024)]
     if spec.shared_gpus:
         body.append(("runtime", "nvidia"))
-    if any(m.source.startswith("/") for m in spec.mounts):
+    if any(m.source.startswith("/") for m in mounts):
         body.append(_Comment('Absolute sources need plugin "docker" { config { volumes { enabled = true } } }.'))
-    for m in spec.mounts:
+    for m in mounts:
         mount = [("type", "bind"), ("source", m.source), ("target", m.target), ("readonly", m.readonly)]
         body.append(_Block("mount", body=mount))
     return _Block("config", body=body)
