@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .. import fsutil, values
-from ..errors import EnvironmentProblem
+from ..errors import ConfigError, EnvironmentProblem
 
 
 def _from(problem: Callable[[str], str | None]) -> Callable[[str], str]:
@@ -25,6 +25,19 @@ def _from(problem: Callable[[str], str | None]) -> Callable[[str], str]:
         sentence = problem(value)
         if sentence:
             raise argparse.ArgumentTypeError(sentence)
+        return value
+
+    return check
+
+
+def known_by(select: Callable[[list[str]], object]) -> Callable[[str], str]:
+    """A name that ``select`` knows (a scenario), refused in select's own words (its ConfigError)."""
+
+    def check(value: str) -> str:
+        try:
+            select([value])
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
         return value
 
     return check

@@ -6,7 +6,6 @@ import argparse
 
 from ..context import Context
 from ..enginecheck import plan, report, runner, table
-from ..errors import ConfigError
 from ..fsutil import write_file
 from . import arguments
 from .command import Command
@@ -86,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sdist", type=arguments.existing_file, metavar="FILE",
                    help="--compare: the lane's pinned sdist, when this machine cannot download it "
                         "(checked against the pin's sha256)")
-    p.add_argument("--scenario", action="append", type=_scenario, metavar="NAME",
+    p.add_argument("--scenario", action="append", type=arguments.known_by(plan.select), metavar="NAME",
                    help="run only this scenario (letter or name, repeatable, comma lists)")
     p.add_argument("--quick", action="store_true",
                    help="one small engine (1 GiB of weights), scenario a, a few tokens, no ceilings: a rollout gate")
@@ -102,14 +101,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--json-out", type=arguments.writable_file, metavar="FILE", help="also write the JSON report to FILE")
     p.set_defaults(check_args=_check_args)
-
-
-def _scenario(value: str) -> str:
-    try:
-        plan.select([value])
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
 
 
 def _check_args(args: argparse.Namespace) -> str | None:

@@ -6,9 +6,9 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from .. import containers
 from ..config import ImageConfig
 from ..context import Context
-from .. import containers
 from ..outputs.dockerfile import PIN_REPOSITORY
 from ..outputs.image import build_bundle, bundle_context, listing, plan_from_base
 from ..outputs.native_build import builder_context

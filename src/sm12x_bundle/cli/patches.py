@@ -17,7 +17,6 @@ from ..series.lane import Fix, Lane, known_fixes
 from . import arguments
 from .command import Command, add_force_argument
 
-
 # --- check ----------------------------------------------------------------------------------
 
 

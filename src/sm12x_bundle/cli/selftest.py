@@ -6,12 +6,10 @@ import argparse
 import dataclasses
 
 from ..context import Context
-from ..errors import ConfigError
 from ..fsutil import write_file
 from ..selftest import Options, plan, report, run_selftest
 from . import arguments
 from .command import Command
-
 
 HELP = "prove the cumem fixes on this node's GPU, scenario by scenario"
 EPILOG = """\
@@ -67,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lane", type=arguments.version, metavar="VERSION",
                    help="with --compare and no trees: the lane whose pin and series are compared "
                         "(default: the config's first lane)")
-    p.add_argument("--scenario", action="append", type=_scenario, metavar="NAME",
+    p.add_argument("--scenario", action="append", type=arguments.known_by(plan.select), metavar="NAME",
                    help="run only this scenario (repeatable)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--json-out", type=arguments.writable_file, metavar="FILE", help="also write the JSON report to FILE")
@@ -96,14 +94,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--work", type=arguments.folder_path, metavar="DIR",
                    help="keep the builds and each scenario's JSON here (default: a temporary folder)")
     p.set_defaults(check_args=_check_args)
-
-
-def _scenario(value: str) -> str:
-    try:
-        plan.select([value])
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
 
 
 def _check_args(args: argparse.Namespace) -> str | None:
