@@ -23,7 +23,7 @@ import math
 import posixpath
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
@@ -42,6 +42,7 @@ from ..jobs import (
     number,
 )
 from ..values import version_problem
+from . import hcl
 
 GROUP = "vllm"
 TASK = "vllm"
@@ -504,44 +505,32 @@ def api_json_text(spec: JobSpec) -> str:
 # --- HCL2 -----------------------------------------------------------------------
 
 
-@dataclass
-class _Block:
-    kind: str
-    labels: tuple[str, ...] = ()
-    body: list = field(default_factory=list)  # (name, value) pairs, _Block, _Comment
-
-
-@dataclass
-class _Comment:
-    text: str
-
-
 def hcl_text(spec: JobSpec) -> str:
     """The job as HCL2 that `nomad fmt` would leave alone (attributes aligned)."""
     header = [f"# {line}".rstrip() for line in spec.notes]
-    return "\n".join(header + _lines(_hcl_job(spec), 0)) + "\n"
+    return "\n".join(header + hcl.text(_hcl_job(spec))) + "\n"
 
 
-def _hcl_job(spec: JobSpec) -> _Block:
+def _hcl_job(spec: JobSpec) -> hcl.Block:
     job = spec.job
-    body = [("type", "service"), ("datacenters", list(job.datacenters)), _Block("meta", body=list(spec.meta))]
-    return _Block("job", (job.name,), body + [_hcl_group(spec)])
+    body = [("type", "service"), ("datacenters", list(job.datacenters)), hcl.Block("meta", body=list(spec.meta))]
+    return hcl.Block("job", (job.name,), body + [_hcl_group(spec)])
 
 
-def _hcl_group(spec: JobSpec) -> _Block:
+def _hcl_group(spec: JobSpec) -> hcl.Block:
     job = spec.job
-    port = _Block("port", (PORT_LABEL,), [("static", job.port), ("to", job.port)])
+    port = hcl.Block("port", (PORT_LABEL,), [("static", job.port), ("to", job.port)])
     body: list = [("count", 1)]
     body += [_hcl_constraint(c) for c in spec.constraints]
     body += [
-        _Block("network", body=[port]),
-        _Comment("Caches in alloc/data and local/ survive an update, best effort: moved within a client, else copied."),
-        _Block("ephemeral_disk", body=[("size", job.disk_mb), *STICKY_DISK.items()]),
-        _Comment("This job's own update: Nomad replaces its one allocation and calls the deployment successful"),
-        _Comment("once /health has passed for min_healthy_time (max_parallel 1 is Nomad's default, written out)."),
-        _Comment("auto_revert goes back to the last version that deployed successfully: a first deployment has"),
-        _Comment("none. The rotation peer is another job: Nomad does not order the two."),
-        _Block(
+        hcl.Block("network", body=[port]),
+        hcl.Comment("Caches in alloc/data and local/ survive an update, best effort: moved within a client, else copied."),
+        hcl.Block("ephemeral_disk", body=[("size", job.disk_mb), *STICKY_DISK.items()]),
+        hcl.Comment("This job's own update: Nomad replaces its one allocation and calls the deployment successful"),
+        hcl.Comment("once /health has passed for min_healthy_time (max_parallel 1 is Nomad's default, written out)."),
+        hcl.Comment("auto_revert goes back to the last version that deployed successfully: a first deployment has"),
+        hcl.Comment("none. The rotation peer is another job: Nomad does not order the two."),
+        hcl.Block(
             "update",
             body=[
                 ("max_parallel", 1),
@@ -557,12 +546,12 @@ def _hcl_group(spec: JobSpec) -> _Block:
         *([_hcl_gate_task(spec)] if spec.gate else []),
         _hcl_task(spec),
     ]
-    return _Block("group", (GROUP,), body)
+    return hcl.Block("group", (GROUP,), body)
 
 
-def _hcl_service(job: JobConfig) -> _Block:
-    restart = _Block("check_restart", body=[("limit", 3), ("grace", f"{job.load_time_s}s"), ("ignore_warnings", False)])
-    check = _Block(
+def _hcl_service(job: JobConfig) -> hcl.Block:
+    restart = hcl.Block("check_restart", body=[("limit", 3), ("grace", f"{job.load_time_s}s"), ("ignore_warnings", False)])
+    check = hcl.Block(
         "check",
         body=[
             ("name", "vllm-health"),
@@ -570,50 +559,50 @@ def _hcl_service(job: JobConfig) -> _Block:
             ("path", "/health"),
             ("interval", "15s"),
             ("timeout", "5s"),
-            _Comment("A dead engine answers 503; restart it, but never while the model still loads."),
+            hcl.Comment("A dead engine answers 503; restart it, but never while the model still loads."),
             restart,
         ],
     )
-    return _Block("service", body=[("name", job.name), ("provider", job.service_provider), ("port", PORT_LABEL), check])
+    return hcl.Block("service", body=[("name", job.name), ("provider", job.service_provider), ("port", PORT_LABEL), check])
 
 
-def _hcl_task(spec: JobSpec) -> _Block:
+def _hcl_task(spec: JobSpec) -> hcl.Block:
     job = spec.job
     body: list = [("driver", "docker"), ("kill_timeout", f"{job.kill_timeout_s}s"), _hcl_config(spec)]
-    body.append(_Block("env", body=list(spec.env)))
+    body.append(hcl.Block("env", body=list(spec.env)))
     body += [_hcl_artifact(a) for a in spec.artifacts]
     resources: list = [("cpu", job.cpu_mhz), ("memory", job.memory_mb)]
     if not spec.shared_gpus:
         constraints = [_hcl_constraint(c) for c in spec.device_constraints]
-        resources.append(_Block("device", ("nvidia/gpu",), [("count", job.gpus), *constraints]))
-    body.append(_Block("resources", body=resources))
-    return _Block("task", (TASK,), body)
+        resources.append(hcl.Block("device", ("nvidia/gpu",), [("count", job.gpus), *constraints]))
+    body.append(hcl.Block("resources", body=resources))
+    return hcl.Block("task", (TASK,), body)
 
 
-def _hcl_gate_task(spec: JobSpec) -> _Block:
+def _hcl_gate_task(spec: JobSpec) -> hcl.Block:
     gate, job = spec.gate, spec.job
     assert gate is not None
     body: list = [
-        _Comment("The rollout gate: vLLM's task starts only once this exits 0, in the same image with the same"),
-        _Comment("overlays, env and GPUs. A failure fails the allocation; no restart (a failed check is an answer)."),
-        _Block("lifecycle", body=[("hook", "prestart"), ("sidecar", False)]),
+        hcl.Comment("The rollout gate: vLLM's task starts only once this exits 0, in the same image with the same"),
+        hcl.Comment("overlays, env and GPUs. A failure fails the allocation; no restart (a failed check is an answer)."),
+        hcl.Block("lifecycle", body=[("hook", "prestart"), ("sidecar", False)]),
         ("driver", "docker"),
-        _Block("restart", body=[("attempts", 0), ("mode", "fail")]),
+        hcl.Block("restart", body=[("attempts", 0), ("mode", "fail")]),
         _hcl_container(spec, gate.entrypoint, gate.args, gate.mounts, ports=False),
-        _Block("env", body=list(gate.env)),
+        hcl.Block("env", body=list(gate.env)),
         *[_hcl_artifact(a) for a in spec.artifacts],
-        _Comment("The same as vLLM's task: it adds nothing if Nomad sizes the allocation for the larger"),
-        _Comment("of the two, as nomad#9725 describes (Nomad's docs do not say)."),
-        _Block("resources", body=[("cpu", job.cpu_mhz), ("memory", job.memory_mb)]),
+        hcl.Comment("The same as vLLM's task: it adds nothing if Nomad sizes the allocation for the larger"),
+        hcl.Comment("of the two, as nomad#9725 describes (Nomad's docs do not say)."),
+        hcl.Block("resources", body=[("cpu", job.cpu_mhz), ("memory", job.memory_mb)]),
     ]
-    return _Block("task", (GATE_TASK,), body)
+    return hcl.Block("task", (GATE_TASK,), body)
 
 
-def _hcl_config(spec: JobSpec) -> _Block:
+def _hcl_config(spec: JobSpec) -> hcl.Block:
     return _hcl_container(spec, spec.job.entrypoint, spec.args, spec.mounts, ports=True)
 
 
-def _hcl_container(spec: JobSpec, entrypoint: Sequence[str], args: Sequence[str], mounts: Sequence[Mount], ports: bool) -> _Block:
+def _hcl_container(spec: JobSpec, entrypoint: Sequence[str], args: Sequence[str], mounts: Sequence[Mount], ports: bool) -> hcl.Block:
     job = spec.job
     body: list = [("image", spec.image), ("entrypoint", list(entrypoint)), ("args", list(args))]
     if ports:
@@ -622,91 +611,20 @@ def _hcl_container(spec: JobSpec, entrypoint: Sequence[str], args: Sequence[str]
     if spec.shared_gpus:
         body.append(("runtime", "nvidia"))
     if any(m.source.startswith("/") for m in mounts):
-        body.append(_Comment('Absolute sources need plugin "docker" { config { volumes { enabled = true } } }.'))
+        body.append(hcl.Comment('Absolute sources need plugin "docker" { config { volumes { enabled = true } } }.'))
     for m in mounts:
         mount = [("type", "bind"), ("source", m.source), ("target", m.target), ("readonly", m.readonly)]
-        body.append(_Block("mount", body=mount))
-    return _Block("config", body=body)
+        body.append(hcl.Block("mount", body=mount))
+    return hcl.Block("config", body=body)
 
 
-def _hcl_artifact(a: Artifact) -> _Block:
-    options = _Block("options", body=[("checksum", a.checksum)])
-    return _Block("artifact", body=[("source", a.source), ("destination", a.destination), ("mode", "file"), options])
+def _hcl_artifact(a: Artifact) -> hcl.Block:
+    options = hcl.Block("options", body=[("checksum", a.checksum)])
+    return hcl.Block("artifact", body=[("source", a.source), ("destination", a.destination), ("mode", "file"), options])
 
 
-def _hcl_constraint(c: Constraint) -> _Block:
-    return _Block("constraint", body=[("attribute", c.attribute), ("operator", c.operator), ("value", c.value)])
-
-
-def _lines(block: _Block, depth: int) -> list[str]:
-    pad = "  " * depth
-    head = " ".join([block.kind] + [_hcl_str(label) for label in block.labels])
-    return [f"{pad}{head} {{", *_body_lines(block.body, depth + 1), f"{pad}}}"]
-
-
-def _body_lines(items: list, depth: int) -> list[str]:
-    """Runs of attributes (aligned on '=') and blocks, separated by blank lines."""
-    chunks: list[list] = []
-    for item in items:
-        last = chunks[-1][-1] if chunks else None
-        # A comment belongs to what follows it; attributes in a row share one chunk.
-        if isinstance(last, _Comment) or (isinstance(item, tuple) and isinstance(last, tuple)):
-            chunks[-1].append(item)
-        else:
-            chunks.append([item])
-    out: list[str] = []
-    for chunk in chunks:
-        out += [""] if out else []
-        width = max((len(i[0]) for i in chunk if isinstance(i, tuple)), default=0)
-        for item in chunk:
-            out += _item_lines(item, depth, width)
-    return out
-
-
-def _item_lines(item: object, depth: int, width: int) -> list[str]:
-    pad = "  " * depth
-    if isinstance(item, _Comment):
-        return [f"{pad}# {item.text}"]
-    if isinstance(item, _Block):
-        return _lines(item, depth)
-    name, value = item  # type: ignore[misc]
-    head = f"{pad}{name.ljust(width)} = "
-    if isinstance(value, list) and len(value) > 2:
-        rows = (", ".join(_hcl_value(v) for v in row) for row in _flag_rows(value))
-        return [head + "[", *(f"{pad}  {row}," for row in rows), f"{pad}]"]
-    return [head + _hcl_value(value)]
-
-
-def _flag_rows(values: list) -> list[list]:
-    """One row per argument, a flag's value on the flag's row: easier to read and diff."""
-    rows: list[list] = []
-    for v in values:
-        if rows and len(rows[-1]) == 1 and str(rows[-1][0]).startswith("-") and not str(v).startswith("-"):
-            rows[-1].append(v)
-        else:
-            rows.append([v])
-    return rows
-
-
-def _hcl_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_hcl_value(v) for v in value) + "]"
-    return _hcl_str(str(value))
-
-
-# Nomad interpolates these at run time, in HCL and JSON alike; any other "${" is escaped so
-# that the HCL decodes to exactly the JSON's string.
-_RUNTIME = re.compile(r"\$\{(?!(?:node|attr|meta|device)\.[A-Za-z0-9_.\-]+\}|NOMAD_[A-Za-z0-9_]+\})")
-
-
-def _hcl_str(s: str) -> str:
-    s = s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
-    s = _RUNTIME.sub("$${", s.replace("%{", "%%{"))
-    return f'"{s}"'
+def _hcl_constraint(c: Constraint) -> hcl.Block:
+    return hcl.Block("constraint", body=[("attribute", c.attribute), ("operator", c.operator), ("value", c.value)])
 
 
 # --- render and write -----------------------------------------------------------
