@@ -20,7 +20,7 @@ import shutil
 import stat
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import EnvironmentProblem, OutputError, environment_problem, is_environment
@@ -300,11 +300,31 @@ def _holds(path: Path, data: bytes | None) -> bool:
         return False
 
 
-def check_into(folder: Path, force: bool, what: str, written_before: Callable[[Path], bool]) -> None:
+@dataclass(frozen=True)
+class Earlier:
+    """What an earlier version of this tool left in a folder it writes into, before it marked
+    its folders: the files named ``files``, and folders whose names match ``folders`` each
+    holding the file ``holding``. Data, not a callback, so that the rule lives here."""
+
+    files: tuple[str, ...] = ()
+    folders: str = r"(?!)"
+    holding: str = ""
+
+    def left_only(self, folder: Path) -> bool:
+        """``folder`` holds something, and only what an earlier version left."""
+        entries = list(folder.iterdir()) if folder.is_dir() and not folder.is_symlink() else []
+        return bool(entries) and all(
+            (p.name in self.files and p.is_file())
+            or (re.fullmatch(self.folders, p.name) is not None and (p / self.holding).is_file())
+            for p in entries
+        )
+
+
+def check_into(folder: Path, force: bool, what: str, earlier: Earlier | None = None) -> None:
     """A folder the tool writes folders of its own into (an overlay target's): like
     check_replaceable, but a folder holding only what an earlier version of this tool wrote
-    there before it marked its folders (``written_before``) is taken as ours."""
-    if not force and folder.is_dir() and not is_ours(folder) and written_before(folder):
+    there before it marked its folders (``earlier``) is taken as ours."""
+    if not force and folder.is_dir() and not is_ours(folder) and earlier is not None and earlier.left_only(folder):
         return
     check_replaceable(folder, force, what)
 
@@ -315,22 +335,26 @@ class Destination:
 
     ``replace``: a folder replaced whole (the patched tree, an overlay version, a build
     context); ``into``: a folder written into, folder by folder (an overlay target's);
-    ``files``: single files written into a folder never replaced whole (the Nomad specs).
+    ``files``: single files written into a folder never replaced whole (the Nomad specs);
+    ``within``: a folder only written below, by the destinations inside it (the overlays
+    folder): refused only where nothing may be written (the root, home, system folders).
     ``files`` names the single files (for ``into``, those it writes beside its folders)."""
 
     path: Path
     how: str
     what: str
     files: tuple[str, ...] = ()
-    written_before: Callable[[Path], bool] | None = field(default=None, compare=False)
+    earlier: Earlier | None = None
 
     def check(self, force: bool = False) -> None:
-        if self.how == "replace":
+        if self.how == "within":  # a folder only written below (the overlays folder)
+            refuse_protected(self.path, self.what)
+        elif self.how == "replace":
             check_replaceable(self.path, force, self.what)
         elif self.how == "files":
             check_files(self.path, dict.fromkeys(self.files), force, self.what)
         elif self.how == "into":
-            check_into(self.path, force, self.what, self.written_before or (lambda _folder: False))
+            check_into(self.path, force, self.what, self.earlier)
             for name in self.files:  # its own files beside the folders: never a device, FIFO or socket
                 refuse_special_file(self.path / name, f"file of the {self.what}")
         else:
@@ -355,6 +379,93 @@ def claim(folder: Path, what: str = "output folder") -> None:
     _mkdir(folder, what)
     if not any(folder.iterdir()):
         mark(folder)
+
+
+@dataclass(frozen=True)
+class FileSpec:
+    """One file an output writes: where (relative), its bytes, its mode and its mtime."""
+
+    path: str
+    data: bytes
+    mode: int
+    mtime: int
+
+
+@dataclass(frozen=True)
+class Version:
+    """A folder replaced whole (an overlay version) inside a folder written into."""
+
+    folder: Path
+    files: tuple[FileSpec, ...]
+
+
+def holds(folder: Path, files: Iterable[FileSpec]) -> bool:
+    """``folder`` (0755) already holds these files, bytes and modes: it is left alone, inodes
+    and all (a folder an older version left 0700 is written again)."""
+    try:
+        if _mode(folder) != 0o755:
+            return False
+        return all((folder / f.path).read_bytes() == f.data and _mode(folder / f.path) == f.mode for f in files)
+    except OSError:
+        return False
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def _put(folder: Path, files: Iterable[FileSpec]) -> None:
+    """Write ``files`` into a fresh staging ``folder``; every folder 0755, as vLLM's own are in
+    an image (the staging folder starts private, 0700, and must be readable in a container)."""
+    for f in files:
+        dest = folder / f.path
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(f.data)
+        os.chmod(dest, f.mode)
+        os.utime(dest, (f.mtime, f.mtime))
+    for sub in [folder, *(p for p in folder.rglob("*") if p.is_dir())]:
+        os.chmod(sub, 0o755)
+
+
+def write_versions(
+    into: Iterable[Destination],
+    versions: Iterable[Version],
+    pointers: Iterable[tuple[Path, FileSpec]],
+    force: bool = False,
+    check: Callable[[int, Path], None] | None = None,
+    what: str = "output folder",
+) -> None:
+    """Write version folders (each a ``what``) into the folders ``into``, then the pointer files beside them.
+
+    Every destination is refused first. Each version folder that does not already hold its
+    files is staged; ``check(i, staged)`` may refuse the i-th (an overlay verified in its
+    image) before anything moves. Then the staged folders take their places, the folders
+    ``into`` that held nothing or only what an earlier version left are marked ours, and each
+    pointer file (current.json) is written. On any error nothing is written: staging folders
+    are removed and the pointers keep pointing where they did."""
+    into, versions = list(into), list(versions)
+    fresh = [not holds(v.folder, v.files) for v in versions]
+    check_destinations(into + [Destination(v.folder, "replace", what) for v, new in zip(versions, fresh) if new], force)
+    claimed = [d.path for d in into if d.how == "into" and _claimable(d)]
+    with contextlib.ExitStack() as stack:
+        for i, (version, new) in enumerate(zip(versions, fresh)):
+            folder = version.folder
+            if new:
+                folder = stack.enter_context(replace_dir(version.folder, force, what))
+                _put(folder, version.files)
+            if check is not None:
+                check(i, folder)
+    for folder in claimed:
+        mark(folder)
+    for path, spec in pointers:
+        write_file(path, spec.data)
+        os.utime(path, (spec.mtime, spec.mtime))
+
+
+def _claimable(destination: Destination) -> bool:
+    """Absent, empty, or holding only what an earlier version left: marked ours once written."""
+    folder, earlier = destination.path, destination.earlier
+    return not (folder.is_dir() and any(folder.iterdir())) or (earlier is not None and earlier.left_only(folder))
 
 
 def write_files(folder: Path, files: Mapping[str, bytes], force: bool = False, what: str = "output folder") -> list[tuple[Path, bool]]:

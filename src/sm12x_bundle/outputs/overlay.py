@@ -18,10 +18,7 @@ from the pinned tree without one). Then:
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import os
-import re
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +29,6 @@ from .. import fsutil
 from ..config import Config, TargetConfig
 from ..containers import Engine
 from ..context import Context
-from ..fsutil import replace_dir, write_file
 from ..plan.files import InstalledFile
 from ..plan.originals import connect
 from ..plan.target import (
@@ -121,83 +117,40 @@ def overlay_folder(out: Path, overlay: Overlay) -> Path:
     return out / overlay.target / overlay.content_hash
 
 
-def stage(overlay: Overlay, folder: Path) -> None:
-    """Write one overlay's files and manifest into ``folder`` (fixed modes and mtimes)."""
-    for f in overlay.files:
-        dest = folder / f.source
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_bytes(f.data)
-        os.chmod(dest, f.mode)
-        mtime = overlay_mtime(f.data)
-        os.utime(dest, (mtime, mtime))
-    manifest = folder / "manifest.json"
-    manifest.write_bytes(overlay.manifest_bytes())
-    os.chmod(manifest, 0o644)
-    os.utime(manifest, (MTIME_BASE, MTIME_BASE))
-    # Every folder 0755, as vLLM's own are in an image; the content folder itself
-    # starts as a private (0700) staging folder and must be readable by the container's user.
-    for sub in [folder, *(p for p in folder.rglob("*") if p.is_dir())]:
-        os.chmod(sub, 0o755)
-
-
-def _mode(path: Path) -> int:
-    return path.stat().st_mode & 0o777
+def version_files(overlay: Overlay) -> tuple[fsutil.FileSpec, ...]:
+    """One overlay's files and manifest as they are written (fixed modes and mtimes)."""
+    files = [fsutil.FileSpec(f.source, f.data, f.mode, overlay_mtime(f.data)) for f in overlay.files]
+    return (*files, fsutil.FileSpec("manifest.json", overlay.manifest_bytes(), 0o644, MTIME_BASE))
 
 
 def is_written(folder: Path, overlay: Overlay) -> bool:
-    """The folder already holds exactly this overlay, modes included (so it is left alone,
-    inodes and all; a folder an older version left 0700 is written again)."""
-    try:
-        if (folder / "manifest.json").read_bytes() != overlay.manifest_bytes() or _mode(folder) != 0o755:
-            return False
-        return all(
-            (folder / f.source).read_bytes() == f.data and _mode(folder / f.source) == f.mode for f in overlay.files
-        )
-    except OSError:
-        return False
+    """The folder already holds exactly this overlay, modes included."""
+    return fsutil.holds(folder, version_files(overlay))
 
 
 Verifier = Callable[[Overlay, Path], None]
 
+# What this tool wrote in a target's folder before it marked its folders: current.json and
+# <content hash>/manifest.json folders.
+EARLIER = fsutil.Earlier(files=("current.json",), folders=r"[0-9a-f]{16}", holding="manifest.json")
+
 
 def destinations(out: Path, targets: Sequence[TargetConfig]) -> list[fsutil.Destination]:
-    """Each target's folder under ``out``, written into (a version folder of its own, and
-    current.json): absent, empty or ours (marked, or holding only what this tool wrote before
-    it marked its folders), unless --force."""
-    return [_target_folder(out, t.name) for t in targets]
+    """The overlays folder (never the root, home or a system folder), and each target's folder
+    under it, written into (a version folder of its own, and current.json): absent, empty or
+    ours (marked, or holding only what this tool wrote before it marked its folders), unless
+    --force."""
+    return [fsutil.Destination(out, "within", "overlays folder"), *(_target_folder(out, t.name) for t in targets)]
 
 
 def _target_folder(out: Path, target: str) -> fsutil.Destination:
-    return fsutil.Destination(out / target, "into", "overlay folder", ("current.json",), _previous_overlays)
-
-
-def _previous_overlays(folder: Path) -> bool:
-    """Only current.json and <content hash>/manifest.json folders: what this tool wrote
-    before it marked its folders."""
-    entries = list(folder.iterdir()) if folder.is_dir() and not folder.is_symlink() else []
-    return bool(entries) and all(
-        p.name == "current.json" and p.is_file()
-        or re.fullmatch(r"[0-9a-f]{16}", p.name) is not None and (p / "manifest.json").is_file()
-        for p in entries
-    )
-
-
-def _holds_files(folder: Path) -> bool:
-    return folder.is_dir() and any(folder.iterdir())
-
-
-def check_output(overlays: Sequence[Overlay], out: Path, force: bool = False) -> None:
-    """Refuse, before anything is written, any folder the overlays would replace or write into."""
-    fsutil.refuse_protected(out, "overlays folder")
-    targets = [_target_folder(out, o.target) for o in overlays]
-    versions = [fsutil.Destination(overlay_folder(out, o), "replace", "overlay folder")
-                for o in overlays if not is_written(overlay_folder(out, o), o)]
-    fsutil.check_destinations(targets + versions, force)
+    return fsutil.Destination(out / target, "into", "overlay folder", ("current.json",), EARLIER)
 
 
 def overlays_root(ctx: Context, out: Path | None) -> Path:
-    """``--out``, else output.overlays; '' and the like are refused, never taken as '.'."""
-    return fsutil.refuse_protected(ctx.config.output.overlays if out is None else out, "overlays folder")
+    """``--out``, else output.overlays ('' and the like are refused by destinations(), never
+    taken as '.')."""
+    return Path(ctx.config.output.overlays if out is None else out)
 
 
 def planned_overlays(config: Config) -> list[str]:
@@ -225,27 +178,14 @@ def write_overlays(
     keep pointing at what they pointed at. Folders this tool did not write are refused
     (OutputError) unless ``force``.
     """
-    check_output(overlays, out, force)
-    # Marked once written: absent, empty or written before folders were marked.
-    claimed = [t for t in {out / o.target for o in overlays} if _previous_overlays(t) or not _holds_files(t)]
-    folders = []
-    with contextlib.ExitStack() as stack:
-        for overlay in overlays:
-            dest = overlay_folder(out, overlay)
-            folder = dest
-            if not is_written(dest, overlay):
-                folder = stack.enter_context(replace_dir(dest, force, "overlay folder"))
-                stage(overlay, folder)
-            if verify is not None:
-                verify(overlay, folder)
-            folders.append(dest)
-    for target in claimed:
-        fsutil.mark(target)
-    for overlay in overlays:
-        current = out / overlay.target / "current.json"
-        write_file(current, overlay.manifest_bytes())
-        os.utime(current, (MTIME_BASE, MTIME_BASE))
-    return folders
+    targets = list(dict.fromkeys(o.target for o in overlays))
+    into = [fsutil.Destination(out, "within", "overlays folder"), *(_target_folder(out, t) for t in targets)]
+    versions = [fsutil.Version(overlay_folder(out, o), version_files(o)) for o in overlays]
+    pointers = [(out / o.target / "current.json", fsutil.FileSpec("current.json", o.manifest_bytes(), 0o644, MTIME_BASE))
+                for o in overlays]
+    check = None if verify is None else (lambda i, folder: verify(overlays[i], folder))
+    fsutil.write_versions(into, versions, pointers, force, check, "overlay folder")
+    return [v.folder for v in versions]
 
 
 # --- make and write: what `overlay` and `build` both run ----------------------------------
