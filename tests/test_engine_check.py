@@ -218,7 +218,7 @@ def test_sizes_on_an_h100_are_the_issues_engines():
     assert (sizes.pair.shape.hidden, sizes.pair.shape.layers) == (4096, 32)
     assert sizes.single.kv_cache_bytes == sizes.single.weight_bytes // 2 // plan.MiB * plan.MiB
     assert sizes.single.gpu_memory_utilization == 0.5 and sizes.pair.gpu_memory_utilization == 0.28
-    assert (sizes.swaps, sizes.cycles, sizes.ceiling_bytes, sizes.max_tokens) == (6, 3, 4 * GiB, 32)
+    assert (sizes.swaps, sizes.cycles, sizes.fixed_cycles, sizes.ceiling_bytes, sizes.max_tokens) == (6, 10, 20, 4 * GiB, 32)
     settings = sizes.single.settings(Path("/m"))
     assert settings["kv_cache_bytes"] == sizes.single.kv_cache_bytes and settings["max_model_len"] == 1024
 

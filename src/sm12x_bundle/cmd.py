@@ -81,6 +81,7 @@ def start(
     echo: bool = True,
     new_session: bool = False,
     stderr: int | None = None,
+    stdout: int | None = subprocess.PIPE,
 ) -> subprocess.Popen[str]:
     """Start ``argv`` with pipes to its stdin and stdout (text, line-buffered) and return it
     running; ``new_session`` puts it and its children in a process group of their own, so
@@ -90,7 +91,7 @@ def start(
         print("+ " + shlex.join(args), file=sys.stderr, flush=True)
     try:
         return subprocess.Popen(
-            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, bufsize=1,
+            args, stdin=subprocess.PIPE, stdout=stdout, stderr=stderr, text=True, bufsize=1,
             env=None if env is None else dict(env), start_new_session=new_session,
         )
     except FileNotFoundError as exc:

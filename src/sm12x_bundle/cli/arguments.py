@@ -147,3 +147,14 @@ def _why_unwritable(folder: Path) -> str:
     if os.statvfs(folder).f_flag & os.ST_RDONLY:
         return "on a read-only file system"
     return "not writable (Permission denied)"
+
+
+def http_url(value: str) -> str:
+    """An http:// or https:// address with a host (a vLLM server's base URL)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname or any(c in value for c in "\r\n\t "):
+        raise argparse.ArgumentTypeError(f"must be an http:// or https:// address such as http://127.0.0.1:8000, "
+                                         f"not {value!r}")
+    return value.rstrip("/")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..context import Context
+from ..errors import ConfigError
 from ..enginecheck import plan, report, runner, table
 from ..fsutil import write_file
 from . import arguments
@@ -12,10 +13,16 @@ from .command import Command
 
 HELP = "run vLLM's own engine on this GPU: sleep/wake, level 2, rotation, failures, pristine against patched"
 EPILOG = """\
-The check starts vllm.LLM from an installed vLLM (engine core in its own process, as
-`vllm serve` runs it) on a Llama-shaped model it writes itself: a config.json, dummy
-weights (load_format="dummy", seeded), no hub, no tokenizer, prompts as token ids. The
-engine size follows the GPU's free memory (NVML) unless --model-gib gives it.
+By default the check runs each engine as operators do: `vllm serve` (vLLM's own CLI, dev
+mode, on a free port of 127.0.0.1) with CUDA graphs and torch.compile at the release's
+defaults, driven over HTTP: /v1/completions with token-id prompts, POST /sleep?level=N,
+POST /wake_up, GET /is_sleeping, and /health read after every call. What runs inside the
+workers (allocator state, fault injection) is a worker extension (probe.Probe) called by
+name through /collective_rpc on every rank. --driver api runs vllm.LLM instead (engine core
+in its own process). --tp/--pp spread every engine over TP x PP GPUs (rank i on the i-th
+visible device). The model is a Llama-shaped config.json the check writes, with dummy
+weights (load_format="dummy", seeded): no hub, no tokenizer. The engine size follows the
+GPU's free memory (NVML) unless --model-gib gives it.
 
 which vLLM (--vllm-path DIR: a folder holding the vllm package, e.g. an unpacked wheel;
 default: the one this Python imports, found without importing it):
@@ -28,7 +35,7 @@ default: the one this Python imports, found without importing it):
 The lane is the one pinned to exactly the install's vLLM version.
 
 scenarios (--scenario LETTER or NAME, repeatable; default all, --quick: a only):
-  a  cycles         three sleep(1)/wake; tokens after each wake equal those before;
+  a  cycles         sleep(1)/wake cycles; tokens after each wake equal those before;
                     memory freed; first sleep, later sleeps and wakes against the ceilings
   b  level2         sleep(2), wake, reload the weights (vLLM's reload_weights, else the
                     dummy loader again: it writes the same seeded values); tokens
@@ -40,6 +47,12 @@ scenarios (--scenario LETTER or NAME, repeatable; default all, --quick: a only):
                     lets go; the wake is retried
   e  cross-image    A asleep; an engine of the install as it is (pristine, with
                     --compare) starts, generates and exits; A wakes; tokens
+  f  killed-worker  asleep; the last rank's worker is killed; the engine must say so
+                    (calls fail, /health fails) within --timeout, never hang
+With several GPUs, d1's fault and d2's held memory are on the last rank alone: all ranks
+or none must sleep or wake, and the error must name the rank. The full run (not --quick)
+makes a: 10 cycles with fresh 200-900-token prompts before the reference ones, then 20
+with a fixed prompt.
 A call that fails, hangs (--timeout) or kills the engine is recorded, never a crash of the
 check: pristine's column shows what the unpatched engine does.
 
@@ -54,14 +67,17 @@ report gives the GPU memory in use afterwards (NVML).
 examples:
   sm12x-bundle engine-check --compare --vllm-path /opt/vllm-0.21.0 --json-out engine.json
   sm12x-bundle engine-check --compare --vllm-path P --sdist vllm-0.21.0.tar.gz --scenario a,b
-  sm12x-bundle engine-check --installed --quick                  # a rollout gate
+  sm12x-bundle engine-check --installed --quick --tp 2           # a rollout gate
+  sm12x-bundle engine-check --compare --vllm-path P --tp 2 --vllm-arg=--compilation-config='{"cudagraph_mode":"FULL_AND_PIECEWISE"}'
+  sm12x-bundle engine-check --installed --quick --job dsv4-flash   # as the config's job runs
   sm12x-bundle engine-check --installed --scenario c --model-gib 8 --swaps 8"""
 
 EXIT_CODES: dict[int, str | None] = {
     0: "every scenario passes and every target holds on the vLLM under test (--compare: on the patched "
     "copy, and it is never worse than pristine)",
     3: "could not run: the vLLM under test is not a lane's release (or --lane names another), "
-    "--vllm-path holds no vllm package, or the engines do not fit the GPU's free memory or the host's",
+    "--vllm-path holds no vllm package, --job names no job, --vllm-arg without --driver serve, or the "
+    "engines do not fit the GPU's free memory or the host's",
     4: "--compare: the lane's pinned sdist could not be fetched, or --sdist does not match its sha256",
     5: None,
     6: "--compare: the lane's series does not apply to the install's own files",
@@ -94,6 +110,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "at most a third / a sixth of the free GPU memory)")
     p.add_argument("--swaps", type=arguments.positive_int, default=6, metavar="N",
                    help="rotation swaps, at least 4 (default 6)")
+    p.add_argument("--driver", choices=plan.DRIVERS, default="serve",
+                   help="serve (default): `vllm serve` driven over HTTP, as operators run it; api: vllm.LLM")
+    p.add_argument("--tp", type=arguments.positive_int, metavar="N",
+                   help="tensor-parallel size of every engine (default: from --vllm-arg or --job, else 1)")
+    p.add_argument("--pp", type=arguments.positive_int, metavar="N",
+                   help="pipeline-parallel size (default: from --vllm-arg or --job, else 1)")
+    p.add_argument("--eager", action="store_true",
+                   help="no CUDA graphs or torch.compile (default: the release's defaults, graphs on)")
+    p.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
+                   help="a flag for `vllm serve`, repeatable (--vllm-arg=--compilation-config={...}); the "
+                        "check's own (model, sizes, address, parallel sizes) are left out and reported")
+    p.add_argument("--job", metavar="NAME",
+                   help="run as the configuration's job NAME runs: its tensor_parallel_size and extra_args")
     p.add_argument("--timeout", type=arguments.positive_float, default=300, metavar="SECONDS",
                    help="limit for each engine call (default 300; an engine's start gets twice as long)")
     p.add_argument("--work", type=arguments.folder_path, metavar="DIR",
@@ -111,16 +140,29 @@ def _check_args(args: argparse.Namespace) -> str | None:
     return None
 
 
-def options(args: argparse.Namespace) -> runner.Options:
+def engine_settings(ctx: Context, args: argparse.Namespace) -> plan.Parallel:
+    """The driver, TP, PP, graphs and flags: the options, else the job's (--job)."""
+    tp, vllm_args = args.tp, list(args.vllm_arg)
+    if args.job:
+        job = next((j for j in ctx.config.jobs if j.name == args.job), None)
+        if job is None:
+            names = ", ".join(j.name for j in ctx.config.jobs) or "none"
+            raise ConfigError(f"--job {args.job}: no such job in the configuration (its jobs: {names})")
+        tp, vllm_args = tp or job.tensor_parallel_size, [*job.extra_args, *vllm_args]
+    return plan.parallel(args.driver, tp, args.pp, args.eager, vllm_args)
+
+
+def options(ctx: Context, args: argparse.Namespace) -> runner.Options:
     return runner.Options(
         compare=args.compare, vllm_path=args.vllm_path, lane=args.lane, sdist=args.sdist,
         scenarios=plan.select(args.scenario, quick=args.quick), quick=args.quick, model_gib=args.model_gib,
         swaps=args.swaps, call_timeout=args.timeout, start_timeout=2 * args.timeout, work=args.work,
+        parallel=engine_settings(ctx, args),
     )
 
 
 def run(ctx: Context, args: argparse.Namespace) -> int:
-    rep = runner.run_check(ctx, options(args))
+    rep = runner.run_check(ctx, options(ctx, args))
     if args.json_out:
         write_file(args.json_out, report.to_json(rep).encode())
     print(report.to_json(rep) if args.json else table.table(rep), end="")

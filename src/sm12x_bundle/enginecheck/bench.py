@@ -22,11 +22,13 @@ import sm12x_bundle
 from ..progress import Progress
 from . import gpu, hostmem, procs, releases
 from .ceilings import Ceilings
-from .plan import EngineSize, Sizes, Tree
+from .plan import EngineSize, Parallel, Sizes, Tree
 
 MiB = 1 << 20
-# How an engine session is started (the tests start their stand-in instead).
-SESSION = (sys.executable, "-m", "sm12x_bundle.enginecheck.session")
+# How an engine session is started, by driver (the tests start their stand-in instead).
+SESSIONS = {"api": (sys.executable, "-m", "sm12x_bundle.enginecheck.session"),
+            "serve": (sys.executable, "-m", "sm12x_bundle.enginecheck.serve_session")}
+SESSION = SESSIONS["api"]
 # What the driver may still hold a moment after every process of a scenario ended.
 RELEASE_SLACK = 256 * MiB
 
@@ -64,7 +66,7 @@ def settle(nvml: gpu.Nvml, baseline: int) -> dict:
 @dataclass
 class Bench:
     groups: procs.Groups
-    gpu: gpu.Nvml
+    gpu: gpu.Gpus
     sizes: Sizes
     models: dict[str, Path]  # "single" / "pair" -> the model folder
     ceilings: Ceilings | None
@@ -74,7 +76,11 @@ class Bench:
     call_timeout: float = 300.0
     start_timeout: float = 600.0
     progress: Progress = field(default_factory=Progress.quiet)
-    session: tuple[str, ...] = SESSION
+    parallel: Parallel = field(default_factory=lambda: Parallel(driver="api"))
+    session: tuple[str, ...] | None = None  # None: the driver's (SESSIONS)
+
+    def session_argv(self) -> tuple[str, ...]:
+        return self.session or SESSIONS[self.parallel.driver]
 
     def size(self, key: str) -> EngineSize:
         size = getattr(self.sizes, key)
@@ -90,9 +96,11 @@ class Bench:
         finally:
             e.close()
 
-    def holder(self, name: str) -> procs.Child:
+    def holder(self, name: str, rank: int = 0) -> procs.Child:
+        """Another process that takes memory on the GPU of ``rank`` (its device is the rank's)."""
         argv = [sys.executable, "-m", "sm12x_bundle.enginecheck.holder"]
-        return self.groups.start(argv, child_env([], self.work), self.work / "logs" / f"{name}.log", name)
+        env = {**child_env([], self.work), "CUDA_VISIBLE_DEVICES": str(self.gpu.index_of(rank))}
+        return self.groups.start(argv, env, self.work / "logs" / f"{name}.log", name)
 
     def settle(self, baseline: int) -> dict:
         return settle(self.gpu, baseline)
@@ -103,10 +111,13 @@ class Engine:
 
     def __init__(self, bench: Bench, tree: Tree, key: str, name: str) -> None:
         self.bench, self.tree, self.name, self.size = bench, tree, name, bench.size(key)
-        settings = self.size.settings(bench.models[key])
-        argv = [*bench.session, "--settings", json.dumps(settings)]
+        settings = {**self.size.settings(bench.models[key]), **bench.parallel.settings(),
+                    "call_timeout": bench.call_timeout, "start_timeout": bench.start_timeout}
+        argv = [*bench.session_argv(), "--settings", json.dumps(settings)]
+        p = bench.parallel
         bench.progress.say(f"engine-check: {name}: starting vLLM from {tree.root} "
-                           f"({self.size.weight_bytes / (1 << 30):.2f} GiB of weights)")
+                           f"({self.size.weight_bytes / (1 << 30):.2f} GiB of weights; {p.driver}, TP={p.tp}, "
+                           f"PP={p.pp}, {'eager' if p.eager else 'CUDA graphs'})")
         self.child = bench.groups.start(argv, child_env(tree.path, bench.work), bench.work / "logs" / f"{name}.log", name)
         self.ready = self.child.next_message(bench.start_timeout)
         if self.ready.get("event") != "ready":
@@ -143,8 +154,10 @@ class Engine:
         return reply
 
     def generate(self, what: str) -> list[list[int]]:
-        sizes = self.bench.sizes
-        return self.must("generate", what, prompts=self.bench.prompts, max_tokens=sizes.max_tokens)["tokens"]
+        return self.generate_these(self.bench.prompts, what)
+
+    def generate_these(self, prompts: list[list[int]], what: str) -> list[list[int]]:
+        return self.must("generate", what, prompts=prompts, max_tokens=self.bench.sizes.max_tokens)["tokens"]
 
     def state(self) -> dict:
         reply = self.call("state")
@@ -154,7 +167,7 @@ class Engine:
         return hostmem.snapshot(self.child.pid)
 
     def facts(self) -> dict:
-        keys = ("vllm", "torch", "cuda", "python", "seconds")
+        keys = ("vllm", "torch", "cuda", "python", "seconds", "driver", "argv")
         return {**{k: self.ready.get(k) for k in keys}, **self.loaded}
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ is bounded by a timeout and its end is recorded as data.
 from __future__ import annotations
 
 import re
+import time
 
 from .bench import RELEASE_SLACK, Bench, Engine, Finding, Stop, recording
 from .plan import Tree
@@ -24,8 +25,28 @@ _TAG = re.compile(r"tag '[^']+'")
 _WHERE = re.compile(r"\b\d+ bytes\b|0x[0-9a-fA-F]{6,}")
 
 
+_RANK = re.compile(r"\brank \d+")
+
+
 def names_allocation(error: str) -> bool:
     return bool(_TAG.search(error) and _WHERE.search(error))
+
+
+def last_rank(bench: Bench) -> int:
+    """The rank a one-rank fault goes to: the last (rank 0 when the engine has one GPU)."""
+    return bench.parallel.gpus - 1
+
+
+def ranks_of(state: dict) -> list[dict]:
+    """Every rank's allocator state (one rank: the state itself)."""
+    ranks = [r for r in state.get("ranks") or [] if isinstance(r, dict)]
+    return ranks or [state]
+
+
+def asleep_count(state: dict) -> int | None:
+    """Allocations asleep over every rank; None when an allocator keeps no flag."""
+    flags = [t.get("asleep") for r in ranks_of(state) for t in (r.get("tags") or {}).values()]
+    return sum(flags) if flags and None not in flags else None
 
 
 def judge_failed_call(f: Finding, reply: dict, what: str) -> None:
@@ -37,6 +58,9 @@ def judge_failed_call(f: Finding, reply: dict, what: str) -> None:
     f.figures["error"] = reply["error"]
     f.check("the failure names the allocation", names_allocation(reply["error"]),
             f"{what} failed with: {reply['error'][:240]}")
+    if f.figures.get("gpus", 1) > 1:
+        f.check("the failure names the rank", bool(_RANK.search(reply["error"])),
+                "the error names a rank" if _RANK.search(reply["error"]) else "the error names no rank")
 
 
 def survived(f: Finding) -> None:
@@ -49,9 +73,9 @@ def survived(f: Finding) -> None:
 def failing_sleep(bench: Bench, tree: Tree) -> Finding:
     f = Finding("d1", tree.label)
     with recording(f), bench.engine(tree, "single", f"{tree.label}-failing-sleep") as e:
-        f.figures["engine"] = e.facts()
+        f.figures.update(engine=e.facts(), gpus=bench.parallel.gpus, fault_rank=last_rank(bench))
         ref = e.generate("generate before the failing sleep")
-        f.figures["fault"] = e.must("inject", "installing the host-memory fault", at="middle")
+        f.figures["fault"] = e.must("inject", "installing the host-memory fault", at="middle", rank=last_rank(bench))
         used_before = bench.gpu.used()
         failed = e.call("sleep", level=1)
         f.figures["fault_after"] = e.call("uninject")
@@ -72,12 +96,15 @@ def as_before_sleep(bench: Bench, e: Engine, f: Finding, used_before: int) -> No
     the flag) and the GPU memory in use what it was before the call."""
     state = e.state()
     change = bench.gpu.used() - used_before
-    flags = [t.get("asleep") for t in state.get("tags", {}).values()]
-    asleep = sum(flags) if flags and None not in flags else None  # None: no flag, NVML alone judges
-    f.figures.update(state_after=state, used_change_bytes=change, asleep_after=asleep)
+    asleep = asleep_count(state)  # None: no flag, NVML alone judges
+    f.figures.update(state_after=state, used_change_bytes=change, asleep_after=asleep,
+                     is_sleeping_after=state.get("is_sleeping"))
     said = "the allocator keeps no asleep flag" if asleep is None else f"{asleep} allocations asleep"
     f.check("every byte still on the GPU", abs(change) <= RELEASE_SLACK and not asleep,
-            f"{said}; GPU memory in use changed by {change / (1 << 20):.0f} MiB")
+            f"{said} over {len(ranks_of(state))} rank(s); GPU memory in use changed by {change / (1 << 20):.0f} MiB")
+    if "is_sleeping" in state:
+        f.check("is_sleeping tells the truth", state["is_sleeping"] is False,
+                f"is_sleeping says {state['is_sleeping']} after the failed sleep")
 
 
 # --- d2: a wake that meets memory another process holds -------------------------------------
@@ -86,13 +113,13 @@ def as_before_sleep(bench: Bench, e: Engine, f: Finding, used_before: int) -> No
 def held_wake(bench: Bench, tree: Tree) -> Finding:
     f = Finding("d2", tree.label)
     with recording(f), bench.engine(tree, "single", f"{tree.label}-held-wake") as e:
-        f.figures["engine"] = e.facts()
+        f.figures.update(engine=e.facts(), gpus=bench.parallel.gpus, held_rank=last_rank(bench))
         ref = e.generate("generate before the sleep")
         e.must("sleep", "sleep(1) before the other process takes the memory", level=1)
         asleep_used = bench.gpu.used()
-        holder = bench.holder(f"{tree.label}-holder")
+        holder = bench.holder(f"{tree.label}-holder", rank=last_rank(bench))
         try:
-            take_memory(bench, f, holder, e.size.weight_bytes // 2)
+            take_memory(bench, f, holder, e.size.weight_bytes // (2 * bench.parallel.gpus))
             held_used = bench.gpu.used()
             judge_failed_call(f, e.call("wake"), "wake while another process holds the memory")
             still_asleep(bench, e, f, held_used)
@@ -120,6 +147,43 @@ def still_asleep(bench: Bench, e: Engine, f: Finding, held_used: int) -> None:
     """After the failed wake: the engine says it sleeps, and kept nothing of the GPU mapped."""
     state = e.state()
     kept = bench.gpu.used() - held_used
-    f.figures.update(state_after=state, kept_mapped_bytes=kept)
+    asleep, total = asleep_count(state), sum(len(r.get("tags") or {}) for r in ranks_of(state))
+    f.figures.update(state_after=state, kept_mapped_bytes=kept, kept_mapped_each=bench.gpu.used_each())
     f.check("still asleep, nothing kept mapped", bool(state.get("is_sleeping")) and kept <= RELEASE_SLACK,
-            f"is_sleeping {state.get('is_sleeping')}; the failed wake kept {kept / (1 << 20):.0f} MiB mapped")
+            f"is_sleeping {state.get('is_sleeping')}; the failed wake kept {kept / (1 << 20):.0f} MiB mapped "
+            f"over {len(ranks_of(state))} rank(s)" + ("" if asleep is None else f" ({asleep} allocations asleep)"))
+
+
+# --- f: a worker killed while the engine sleeps --------------------------------------------
+
+
+def killed_worker(bench: Bench, tree: Tree) -> Finding:
+    """The engine must say that a worker died (health fails, calls fail) within the call
+    timeout; a call that hangs until the timeout fails the scenario. Nothing is retried."""
+    f = Finding("f", tree.label)
+    with recording(f), bench.engine(tree, "single", f"{tree.label}-killed-worker") as e:
+        f.figures.update(engine=e.facts(), gpus=bench.parallel.gpus, killed_rank=last_rank(bench))
+        e.generate("generate before the sleep")
+        e.must("sleep", "sleep(1) before the worker is killed", level=1)
+        f.figures["kill"] = e.must("kill_rank", "killing the worker", rank=last_rank(bench))
+        start = time.monotonic()
+        calls = {name: e.call(name, **args) for name, args in
+                 (("wake", {}), ("generate", {"prompts": bench.prompts[:1], "max_tokens": 4}), ("state", {}))}
+        f.figures["said_within_s"] = time.monotonic() - start
+        judge_dead_worker(bench, f, calls)
+    return f
+
+
+def judge_dead_worker(bench: Bench, f: Finding, calls: dict[str, dict]) -> None:
+    f.figures["after_kill"] = {k: {x: v.get(x) for x in ("ok", "error", "timed_out", "died", "healthy", "seconds")}
+                               for k, v in calls.items()}
+    hung = [k for k, v in calls.items() if v.get("timed_out")]
+    f.check("no call hung", not hung, "every call answered" if not hung else
+            f"{', '.join(hung)} hung until the {bench.call_timeout:.0f} s timeout")
+    served = [k for k in ("wake", "generate") if calls[k].get("ok")]
+    f.check("calls fail", not served, "wake and generate failed" if not served else
+            f"{', '.join(served)} succeeded with a worker dead")
+    last = calls["state"]
+    if "healthy" in last or "healthy" in calls["generate"]:
+        unhealthy = not last.get("healthy", True) or not calls["generate"].get("healthy", True)
+        f.check("health fails", unhealthy, "/health fails" if unhealthy else "/health still says healthy")

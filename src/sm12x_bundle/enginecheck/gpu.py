@@ -101,3 +101,44 @@ class Nvml:
             time.sleep(poll)
             used = self.used()
         return used
+
+
+class Gpus:
+    """The GPUs one engine spreads over (TP x PP ranks; rank i on the i-th visible device),
+    read together: memory in use is their sum, free memory the least free of them."""
+
+    def __init__(self, count: int = 1, visible: str | None = None, library: str = LIBRARY) -> None:
+        raw = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+        names = [n.strip() for n in raw.split(",")] if raw is not None else [str(i) for i in range(count)]
+        if len(names) < count:
+            raise EnvironmentProblem(f"an engine of {count} GPUs (TP x PP) needs {count} visible devices, and "
+                                     f"CUDA_VISIBLE_DEVICES={raw!r} names {len(names)}")
+        self.devices = [Nvml(library, visible=name) for name in names[:count]]
+        if len({d.index for d in self.devices}) < count:
+            raise EnvironmentProblem(f"NVML finds fewer than {count} distinct GPUs for an engine of {count} ranks")
+
+    def index_of(self, rank: int) -> int:
+        return self.devices[rank].index
+
+    def used(self) -> int:
+        return sum(d.used() for d in self.devices)
+
+    def used_each(self) -> list[int]:
+        return [d.used() for d in self.devices]
+
+    def card(self) -> Card:
+        """The first device, with the least free memory of all of them (what sizes must fit)."""
+        first = self.devices[0].card()
+        free = min(d.memory()[1] for d in self.devices)
+        return Card(first.index, first.name, first.driver, first.total_bytes, free, self.used())
+
+    def cards(self) -> list[dict]:
+        return [d.card().to_dict() for d in self.devices]
+
+    def wait_used_at_most(self, limit: int, timeout: float, poll: float = 0.2) -> int:
+        deadline = time.monotonic() + timeout
+        used = self.used()
+        while used > limit and time.monotonic() < deadline:
+            time.sleep(poll)
+            used = self.used()
+        return used

@@ -75,6 +75,17 @@ def engine_core(session_pid: int) -> dict | None:
     return (named or sorted(rows, key=lambda r: r["rss_bytes"]))[-1]
 
 
+def workers(session_pid: int) -> list[dict]:
+    """{pid, name, rss, locked, pinned} of each multiprocess worker (TP or PP above 1: vLLM
+    names them ``VllmWorker``), where the backups live then instead of the engine core."""
+    rows = []
+    for pid in descendants(session_pid):
+        mem, title = status(pid), name(pid)
+        if mem is not None and "Worker" in title:
+            rows.append({"pid": pid, "name": title[:120], **mem})
+    return rows
+
+
 def snapshot(session_pid: int) -> dict:
-    """The session's own memory and its engine core's, for the report."""
-    return {"session": status(session_pid), "engine_core": engine_core(session_pid)}
+    """The session's own memory, its engine core's and its workers', for the report."""
+    return {"session": status(session_pid), "engine_core": engine_core(session_pid), "workers": workers(session_pid)}

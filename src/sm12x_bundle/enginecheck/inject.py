@@ -15,6 +15,7 @@ own way, with the code under test unchanged.
 from __future__ import annotations
 
 import gc
+import os
 
 OFFLOADED = "weights"
 _FAULT: dict = {}
@@ -74,6 +75,14 @@ def install_host_failure(worker, at: str | int = "middle") -> dict:
     return _public(fault)
 
 
+def install_on_rank(worker, at: str | int = "middle", rank: int | str | None = None) -> dict:
+    """The fault on the worker of ``rank`` alone (None or "": every rank); the reply names the rank."""
+    mine = int(getattr(worker, "rank", 0))
+    if rank not in (None, "") and int(rank) != mine:
+        return {"installed": False, "rank": mine}
+    return {**install_host_failure(worker, at), "installed": True, "rank": mine}
+
+
 def remove_host_failure(worker) -> dict:
     """Undo the fault; say whether it fired and how many backups were asked for."""
     if not _FAULT:
@@ -108,7 +117,7 @@ def allocator_state(worker) -> dict:
         if data.cpu_backup_tensor is not None:
             t["backed_up_bytes"] += data.handle[1]
     free, total = torch.cuda.mem_get_info()
-    return {"tags": tags, "free_bytes": free, "total_bytes": total, "backup_pool": _pool(alloc),
+    return {"rank": int(getattr(worker, "rank", 0)), "pid": os.getpid(), "tags": tags, "free_bytes": free, "total_bytes": total, "backup_pool": _pool(alloc),
             "pinned": _pinned(torch), "cumem_py": cumem.__file__, "extension": cumem.lib_name}
 
 
@@ -130,6 +139,10 @@ def _pinned(torch) -> dict:
     except (AttributeError, RuntimeError):
         return {}
     return {k: int(v) for k, v in stats.items() if k.endswith("bytes.current") or k.startswith("num_host")}
+
+
+def worker_pid(worker) -> dict:
+    return {"rank": int(getattr(worker, "rank", 0)), "pid": os.getpid()}
 
 
 def reload_dummy_weights(worker) -> dict:
@@ -155,4 +168,4 @@ def _current_config(config):
     return set_current_vllm_config(config)
 
 
-__all__ = ["allocator_state", "install_host_failure", "reload_dummy_weights", "remove_host_failure"]
+__all__ = ["allocator_state", "install_host_failure", "install_on_rank", "reload_dummy_weights", "remove_host_failure", "worker_pid"]

@@ -111,3 +111,11 @@ def prompts(count: int, length: int, vocab: int = VOCAB, seed: int = 23) -> list
     """Token-id prompts, the same for every engine and every run (no tokenizer needed)."""
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab - 1) for _ in range(length)] for _ in range(count)]
+
+
+def fresh_prompts(cycle: int, count: int = 2, shortest: int = 200, longest: int = 900,
+                  vocab: int = VOCAB) -> list[list[int]]:
+    """Prompts no engine has seen before this cycle (a full prefill each, 200-900 tokens, as
+    the seeds' recipe after every wake), the same for every tree in a run."""
+    rng = random.Random(1000 + cycle)
+    return [[rng.randrange(100, vocab - 1) for _ in range(rng.randint(shortest, longest))] for _ in range(count)]

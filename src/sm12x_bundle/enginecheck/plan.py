@@ -55,6 +55,9 @@ SCENARIOS: tuple[Scenario, ...] = (
              "asleep; another process takes the GPU memory; wake fails; it lets go; wake retried"),
     Scenario("e", "cross-image", "cross-image", "pair",
              "A asleep; an engine of the install as it is (pristine) starts, generates, exits; A wakes"),
+    Scenario("f", "killed-worker", "a worker killed while asleep", "single",
+             "asleep; the last rank's worker is killed (SIGKILL); the engine must say so within the call "
+             "timeout (health fails, calls fail), never hang"),
 )
 BY_NAME = {s.name: s for s in SCENARIOS}
 QUICK_SCENARIOS = ("a",)
@@ -80,6 +83,50 @@ def lookup(name: str) -> Scenario:
     raise ConfigError(f"unknown scenario '{name}'{hint}: choose from {choices}")
 
 
+DRIVERS = ("serve", "api")
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """How each engine runs: through ``vllm serve`` over HTTP (the operators' way) or the
+    Python API; its tensor- and pipeline-parallel sizes; CUDA graphs (vLLM's default) or
+    eager; and the operator's own vLLM flags (``serve`` only), minus those the check sets."""
+
+    driver: str = "serve"
+    tp: int = 1
+    pp: int = 1
+    eager: bool = False
+    vllm_args: tuple[str, ...] = ()
+    left_out: tuple[str, ...] = ()  # --vllm-arg tokens the check sets itself
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp
+
+    def settings(self) -> dict:
+        return {"tp": self.tp, "pp": self.pp, "eager": self.eager, "vllm_args": list(self.vllm_args)}
+
+    def to_dict(self) -> dict:
+        graphs = "eager (no CUDA graphs)" if self.eager else "CUDA graphs and torch.compile at the release's defaults"
+        return {**self.settings(), "driver": self.driver, "gpus": self.gpus, "graphs": graphs,
+                "left_out_vllm_args": list(self.left_out)}
+
+
+def parallel(driver: str, tp: int | None, pp: int | None, eager: bool, vllm_args: Sequence[str]) -> Parallel:
+    """The engines' settings from the options: a size not given is read from the vLLM flags
+    (``--pipeline-parallel-size 2`` in a job's own flags), else 1; --enforce-eager there means eager."""
+    from .releases import flag_name, parallel_from, split_vllm_args
+
+    args = list(vllm_args)
+    if args and driver != "serve":
+        raise ConfigError("--vllm-arg goes with --driver serve: the Python API takes no command-line flags")
+    kept, left_out = split_vllm_args(args)
+    tp = tp or parallel_from(args, "tensor-parallel-size") or 1
+    pp = pp or parallel_from(args, "pipeline-parallel-size") or 1
+    eager = eager or any(flag_name(a) == "enforce-eager" and not a.startswith("--no") for a in args)
+    return Parallel(driver, tp, pp, eager, tuple(kept), tuple(left_out))
+
+
 @dataclass(frozen=True)
 class Tree:
     """A vLLM to run: its label, the folder holding its ``vllm`` package, and every folder
@@ -98,8 +145,9 @@ def runs(trees: Sequence[Tree], scenarios: Sequence[Scenario]) -> list[tuple[Sce
 @dataclass(frozen=True)
 class EngineSize:
     shape: ModelShape
-    kv_cache_bytes: int
-    gpu_memory_utilization: float  # vLLM refuses to start unless this share of the GPU is free
+    kv_cache_bytes: int  # per GPU, as vLLM's kv_cache_memory_bytes means it
+    gpu_memory_utilization: float  # vLLM refuses to start unless this share of each GPU is free
+    gpus: int = 1  # the engine's weights and KV cache are spread over this many GPUs (TP x PP)
 
     @property
     def weight_bytes(self) -> int:
@@ -113,15 +161,17 @@ class EngineSize:
 
     def to_dict(self) -> dict:
         return {"shape": self.shape.to_dict(), "weight_bytes": self.weight_bytes,
-                "kv_cache_bytes": self.kv_cache_bytes, "gpu_memory_utilization": self.gpu_memory_utilization}
+                "kv_cache_bytes": self.kv_cache_bytes, "gpu_memory_utilization": self.gpu_memory_utilization,
+                "gpus": self.gpus}
 
 
-def engine_size(weight_target: int, total_bytes: int) -> EngineSize:
-    """An engine of about ``weight_target`` bf16 weight bytes and a KV cache of half that."""
+def engine_size(weight_target: int, total_bytes: int, gpus: int = 1) -> EngineSize:
+    """An engine of about ``weight_target`` bf16 weight bytes and a KV cache of half that,
+    spread over ``gpus`` GPUs of ``total_bytes`` each."""
     shape = plan_model(weight_target)
-    kv = max(256 * MiB, shape.weight_bytes() // 2 // MiB * MiB)
-    util = math.ceil((shape.weight_bytes() + kv + HEADROOM) / total_bytes * 100) / 100
-    return EngineSize(shape, kv, util)
+    kv = max(256 * MiB, shape.weight_bytes() // 2 // gpus // MiB * MiB)
+    util = math.ceil((shape.weight_bytes() / gpus + kv + HEADROOM) / total_bytes * 100) / 100
+    return EngineSize(shape, kv, util, gpus)
 
 
 @dataclass(frozen=True)
@@ -131,7 +181,8 @@ class Sizes:
     prompts: int
     prompt_len: int
     max_tokens: int
-    cycles: int
+    cycles: int  # sleep/wake cycles with fresh prompts and the reference ones
+    fixed_cycles: int  # then cycles with one fixed prompt
     swaps: int
     ceiling_bytes: int | None  # None: no ceilings (--quick)
 
@@ -151,26 +202,30 @@ def plan_sizes(
     model_gib: float | None = None,
     quick: bool = False,
     swaps: int = 6,
+    gpus: int = 1,
 ) -> Sizes:
     """Each engine's size from the GPU's free memory, unless ``--model-gib`` gives its weights.
 
     One engine: 24.25 GiB of weights (Llama-2 13B's shape; --quick: 1 GiB), at most a third
     of the free memory. Two rotating engines: 12.55 GiB each (7B's shape), at most a sixth. Each
-    gets a KV cache of half its weights. Refused when it cannot fit: the engine awake, the
-    other one's residue asleep, and the host memory its backups may take."""
+    gets a KV cache of half its weights. With ``gpus`` > 1 (TP x PP) each is spread over that
+    many GPUs, and ``free_bytes``/``total_bytes`` are one GPU's (the least free of them).
+    Refused when it cannot fit: the engine awake, the other one's residue asleep, and the
+    host memory its backups may take."""
     if swaps < 4:
         raise ConfigError(f"--swaps must be at least 4 (the first swap and three steady ones), not {swaps}")
     given = None if model_gib is None else int(model_gib * GiB)
     kinds = {s.engines for s in scenarios}
     single = pair = None
     if "single" in kinds:
-        single = engine_size(given or min(QUICK if quick else DEFAULT_SINGLE, free_bytes // 3), total_bytes)
+        single = engine_size(given or min(QUICK if quick else DEFAULT_SINGLE, gpus * free_bytes // 3), total_bytes, gpus)
         _check_fit("one engine", single, 1, free_bytes, total_bytes, host_available, given is not None)
     if "pair" in kinds:
-        pair = engine_size(given or min(DEFAULT_PAIR, free_bytes // 6), total_bytes)
+        pair = engine_size(given or min(DEFAULT_PAIR, gpus * free_bytes // 6), total_bytes, gpus)
         _check_fit("two engines", pair, 2, free_bytes, total_bytes, host_available, given is not None)
     return Sizes(single, pair, prompts=2 if quick else 4, prompt_len=16 if quick else 32,
-                 max_tokens=8 if quick else 32, cycles=3, swaps=swaps,
+                 max_tokens=8 if quick else 32, cycles=3 if quick else 10, fixed_cycles=0 if quick else 20,
+                 swaps=swaps,
                  ceiling_bytes=None if quick else min(4 * GiB, max(GiB, free_bytes // 16)))
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 
 # What a session answers (session.py); the holder answers hold and exit.
-COMMANDS = ("generate", "sleep", "wake", "inject", "uninject", "reload", "reset", "state", "hold", "exit")
+COMMANDS = ("generate", "sleep", "wake", "inject", "uninject", "reload", "reset", "state", "kill_rank", "hold",
+            "exit")
 ERROR_LIMIT = 600  # characters of an error kept in a reply
 
 

@@ -57,7 +57,7 @@ def engine_kwargs(settings: dict) -> dict:
         "skip_tokenizer_init": True,
         "dtype": "bfloat16",
         "seed": 0,
-        "enforce_eager": True,
+        "enforce_eager": bool(settings.get("eager", True)),
         "enable_sleep_mode": True,
         "attention_backend": "TRITON_ATTN",
         "gpu_memory_utilization": settings["gpu_memory_utilization"],
@@ -65,8 +65,92 @@ def engine_kwargs(settings: dict) -> dict:
         "max_model_len": settings["max_model_len"],
         "max_num_seqs": settings["max_num_seqs"],
         "max_num_batched_tokens": settings["max_num_batched_tokens"],
-        "tensor_parallel_size": 1,
+        "tensor_parallel_size": int(settings.get("tp", 1)),
+        "pipeline_parallel_size": int(settings.get("pp", 1)),
     }
+
+
+# The flags the check sets itself for `vllm serve` (the same settings as engine_kwargs, in
+# vLLM 0.21.0's spelling, engine/arg_utils.py); a --vllm-arg that sets one of them is left
+# out and reported, since the check owns its model, its sizes and its address.
+CHECK_FLAGS = (
+    "model", "host", "port", "load-format", "skip-tokenizer-init", "dtype", "seed", "enforce-eager",
+    "enable-sleep-mode", "attention-backend", "gpu-memory-utilization", "kv-cache-memory-bytes",
+    "max-model-len", "max-num-seqs", "max-num-batched-tokens", "tensor-parallel-size", "pipeline-parallel-size",
+    "worker-extension-cls", "served-model-name", "tokenizer", "distributed-executor-backend",
+)
+_SHORT = {"-tp": "tensor-parallel-size", "-pp": "pipeline-parallel-size", "-O": "compilation-config"}
+
+
+def flag_name(token: str) -> str | None:
+    """The option a command-line token names, as vLLM's parser reads it (``_`` and ``-``
+    alike, ``--no-X`` for a boolean X, ``=value`` attached); None for a value."""
+    if token in _SHORT or token.split("=", 1)[0] in _SHORT:
+        return _SHORT[token.split("=", 1)[0]]
+    if not token.startswith("--"):
+        return None
+    name = token[2:].split("=", 1)[0].replace("_", "-")
+    return name[3:] if name.startswith("no-") and name[3:] in CHECK_FLAGS else name
+
+
+def split_vllm_args(args: list[str]) -> tuple[list[str], list[str]]:
+    """(what the check passes on, what it leaves out because it sets that flag itself): a
+    left-out flag takes its value with it."""
+    kept, dropped, skip_value = [], [], False
+    for token in args:
+        if skip_value and flag_name(token) is None:
+            dropped.append(token)
+            skip_value = False
+            continue
+        skip_value = False
+        name = flag_name(token)
+        if name in CHECK_FLAGS:
+            dropped.append(token)
+            skip_value = "=" not in token
+        else:
+            kept.append(token)
+    return kept, dropped
+
+
+def parallel_from(args: list[str], key: str) -> int | None:
+    """The value a list of vLLM flags gives ``key`` (e.g. pipeline-parallel-size), else None."""
+    for i, token in enumerate(args):
+        if flag_name(token) == key:
+            value = token.split("=", 1)[1] if "=" in token else (args[i + 1] if i + 1 < len(args) else "")
+            return int(value) if value.isdigit() else None
+    return None
+
+
+def serve_argv(settings: dict, port: int, served_name: str) -> list[str]:
+    """``vllm serve`` for a session's settings: the same engine as engine_kwargs, on
+    127.0.0.1, with the worker probe mixed in, then the operator's own flags."""
+    import sys
+
+    kw = engine_kwargs(settings)
+    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", kw["model"],
+            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_name,
+            "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", "bfloat16", "--seed", "0",
+            "--enable-sleep-mode", "--attention-backend", kw["attention_backend"],
+            "--gpu-memory-utilization", f"{kw['gpu_memory_utilization']:g}",
+            "--kv-cache-memory-bytes", str(kw["kv_cache_memory_bytes"]),
+            "--max-model-len", str(kw["max_model_len"]), "--max-num-seqs", str(kw["max_num_seqs"]),
+            "--max-num-batched-tokens", str(kw["max_num_batched_tokens"]),
+            "--tensor-parallel-size", str(kw["tensor_parallel_size"]),
+            "--pipeline-parallel-size", str(kw["pipeline_parallel_size"]),
+            "--worker-extension-cls", "sm12x_bundle.enginecheck.probe.Probe"]
+    if kw["enforce_eager"]:
+        argv.append("--enforce-eager")
+    return argv + list(settings.get("vllm_args", []))
+
+
+def installed_version(spec) -> str | None:
+    """The vllm distribution's version as its metadata says, without importing it."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("vllm")
+    except metadata.PackageNotFoundError:
+        return None
 
 
 # The environment of every engine session: the settings known to work on the device

@@ -56,6 +56,8 @@ class Report:
     copy: dict | None = None  # the patched copy: files replaced, linked, the native build
     versions: dict = field(default_factory=dict)  # tree -> what its engine imported: vllm, torch, cuda, python
     cleanup: dict = field(default_factory=dict)  # GPU memory after every process ended
+    cards: list = field(default_factory=list)  # every GPU an engine spreads over (NVML)
+    engine_settings: dict = field(default_factory=dict)  # driver, TP, PP, graphs, the vLLM flags passed on
 
     @property
     def judged(self) -> str:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import statistics
 
-from .bench import Bench, Engine, Finding, recording
+from .bench import Bench, Engine, Finding, Stop, recording
 from .ceilings import Ceilings
+from .endpoints import Server
+from .swap import rotate
 from .plan import Tree
 from .scenarios import offloaded_bytes
 
@@ -36,16 +38,30 @@ def rotation(bench: Bench, tree: Tree) -> Finding:
 def swaps(bench: Bench, f: Finding, engines: dict[str, Engine], refs: dict[str, list]) -> None:
     awake, asleep = "B", "A"
     for i in range(bench.sizes.swaps):
-        slept = engines[awake].must("sleep", f"swap {i + 1}: {awake}'s sleep", level=1)
-        woke = engines[asleep].must("wake", f"swap {i + 1}: {asleep}'s wake")
+        sleep_s, wake_s = one_swap(bench, engines[awake], engines[asleep], f"swap {i + 1}")
         f.figures.setdefault("swaps", []).append(
-            {"sleeps": awake, "wakes": asleep, "sleep_s": slept["seconds"], "wake_s": woke["seconds"]})
+            {"sleeps": awake, "wakes": asleep, "sleep_s": sleep_s, "wake_s": wake_s})
         if i == 0:
             f.figures["b_moved_bytes"] = offloaded_bytes(engines[awake].state())
             f.figures["host_both"] = {name: e.host_memory() for name, e in engines.items()}
         got = engines[asleep].generate(f"swap {i + 1}: {asleep}'s generate")
         f.tokens(f"swap {i + 1} ({asleep} awake)", refs[asleep], got)
         awake, asleep = asleep, awake
+
+
+def one_swap(bench: Bench, awake: Engine, asleep: Engine, what: str) -> tuple[float, float]:
+    """(sleep seconds, wake seconds): through the servers' endpoints as ``rotate`` swaps
+    (the serve driver), else through the sessions."""
+    port_a, port_b = awake.ready.get("port"), asleep.ready.get("port")
+    if bench.parallel.driver != "serve" or not (port_a and port_b):
+        slept = awake.must("sleep", f"{what}: {awake.name}'s sleep", level=1)
+        return slept["seconds"], asleep.must("wake", f"{what}: {asleep.name}'s wake")["seconds"]
+    swap = rotate(Server(f"http://127.0.0.1:{port_a}"), Server(f"http://127.0.0.1:{port_b}"), bench.call_timeout,
+                  check=False)
+    bench.progress.say(f"engine-check: {what}: " + ", ".join(f"{s['stage']} {s['seconds']:.2f} s" for s in swap.stages))
+    if not swap.swapped:
+        raise Stop("fail", f"{what}: {swap.error}")
+    return swap.seconds("sleep A"), swap.seconds("wake B")
 
 
 def rotation_figures(ceilings: Ceilings | None, figs: dict) -> None:

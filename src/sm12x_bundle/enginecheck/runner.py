@@ -31,7 +31,8 @@ from .model import prompts, write_model
 from .report import Report, ScenarioResult
 
 RUNNERS = {"a": scenarios.cycles, "b": scenarios.level2, "c": rotation.rotation,
-           "d1": failures.failing_sleep, "d2": failures.held_wake, "e": scenarios.cross_image}
+           "d1": failures.failing_sleep, "d2": failures.held_wake, "e": scenarios.cross_image,
+           "f": failures.killed_worker}
 
 
 @dataclass(frozen=True)
@@ -47,13 +48,14 @@ class Options:
     call_timeout: float = 300.0
     start_timeout: float = 600.0
     work: Path | None = None
+    parallel: plan.Parallel = plan.Parallel()
 
 
 @dataclass(frozen=True)
 class Preflight:
     install: Install
     lane: Lane
-    nvml: gpu.Nvml
+    nvml: gpu.Gpus
     card: gpu.Card
     sizes: plan.Sizes
 
@@ -62,10 +64,10 @@ def preflight(ctx: Context, opts: Options) -> Preflight:
     """Everything that can be refused, before anything is written or started."""
     install = find_install(opts.vllm_path)
     lane = lane_for(ctx.lanes, install, opts.lane)
-    nvml = gpu.Nvml()
+    nvml = gpu.Gpus(opts.parallel.gpus)
     card = nvml.card()
     sizes = plan.plan_sizes(opts.scenarios, card.free_bytes, card.total_bytes, plan.host_available(),
-                            model_gib=opts.model_gib, quick=opts.quick, swaps=opts.swaps)
+                            model_gib=opts.model_gib, quick=opts.quick, swaps=opts.swaps, gpus=opts.parallel.gpus)
     if opts.compare:
         need_compiler()
     return Preflight(install, lane, nvml, card, sizes)
@@ -134,13 +136,14 @@ def execute(ctx: Context, opts: Options, pre: Preflight, work: Path, groups: pro
     ceilings = None if sizes.ceiling_bytes is None else ceilings_mod.measure(
         sizes.ceiling_bytes, child_env([pre.install.root], work))
     bench = Bench(groups, pre.nvml, sizes, models, ceilings, trees[0], work,
-                  prompts(sizes.prompts, sizes.prompt_len), opts.call_timeout, opts.start_timeout, ctx.progress)
+                  prompts(sizes.prompts, sizes.prompt_len), opts.call_timeout, opts.start_timeout, ctx.progress,
+                  opts.parallel)
     results = [run_one(bench, scenario, tree, pre.card.used_bytes) for scenario, tree in plan.runs(trees, opts.scenarios)]
     return Report(
         mode="compare" if opts.compare else "installed", quick=opts.quick, lane=pre.lane.version,
         install={"root": str(pre.install.root), "version": pre.install.version, "version_from": pre.install.version_from,
                  "release_api": asdict(releases.api_for(pre.install.version))},
-        card=pre.card.to_dict(), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        card=pre.card.to_dict(), cards=pre.nvml.cards(), engine_settings=opts.parallel.to_dict(), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         trees=[{"label": t.label, "root": str(t.root), "path": [str(p) for p in t.path]} for t in trees],
         sizes=sizes.to_dict(), ceilings=ceilings.to_dict() if ceilings else None, results=results, copy=copy,
         versions=engine_versions(results),

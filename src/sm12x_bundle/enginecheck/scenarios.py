@@ -9,8 +9,9 @@ allocator, asked inside the engine core) and the host memory its engine core hol
 
 from __future__ import annotations
 
-from .bench import Bench, Engine, Finding, distinct_tokens, recording
+from .bench import Bench, Engine, Finding, distinct_tokens, first_difference, recording
 from .ceilings import Ceilings
+from .model import fresh_prompts
 from .plan import Tree
 
 
@@ -38,8 +39,22 @@ def cycles(bench: Bench, tree: Tree) -> Finding:
         f.figures.update(allocator_awake=awake, pool_bytes=pool_bytes(awake), host_awake=e.host_memory())
         for i in range(bench.sizes.cycles):
             one_cycle(bench, e, f, ref, i)
+        fixed_cycles(bench, e, f, ref)
     speed_figures(bench.ceilings, f.figures)
     return f
+
+
+def fixed_cycles(bench: Bench, e: Engine, f: Finding, ref: list[list[int]]) -> None:
+    """Then sleep/wake cycles with one fixed prompt, its tokens checked after every wake."""
+    fixed, first_bad = bench.prompts[:1], None
+    for i in range(bench.sizes.fixed_cycles):
+        e.must("sleep", f"fixed-prompt cycle {i + 1}: sleep", level=1)
+        e.must("wake", f"fixed-prompt cycle {i + 1}: wake")
+        got = e.generate_these(fixed, f"fixed-prompt cycle {i + 1}")
+        if first_bad is None and first_difference(ref[:1], got):
+            first_bad = got
+    if bench.sizes.fixed_cycles:
+        f.tokens(f"{bench.sizes.fixed_cycles} fixed-prompt cycles", ref[:1], first_bad or ref[:1])
 
 
 def one_cycle(bench: Bench, e: Engine, f: Finding, ref: list[list[int]], i: int) -> None:
@@ -52,6 +67,9 @@ def one_cycle(bench: Bench, e: Engine, f: Finding, ref: list[list[int]], i: int)
     woke = e.must("wake", f"wake {i + 1}")
     f.figures.setdefault("sleeps_s", []).append(slept["seconds"])
     f.figures.setdefault("wakes_s", []).append(woke["seconds"])
+    if bench.sizes.fixed_cycles:  # the full run: a fresh full prefill before the reference prompts
+        fresh = e.generate_these(fresh_prompts(i), f"fresh prompts after wake {i + 1}")
+        f.figures.setdefault("fresh_tokens", []).append(fresh)
     f.tokens(f"cycle {i + 1}", ref, e.generate(f"generate after wake {i + 1}"))
 
 

@@ -40,12 +40,14 @@ def wake(llm, tags: list[str] | None = None) -> dict:
     return {"fully_awake": awake if isinstance(awake, bool) else None}
 
 
-def inject_fault(llm, at: str = "middle") -> dict:
-    return llm.collective_rpc(inject.install_host_failure, args=(at,))[0]
+def inject_fault(llm, at: str = "middle", rank: int | None = None) -> dict:
+    ranks = llm.collective_rpc(inject.install_on_rank, args=(at, rank))
+    return {"ranks": ranks, **next((r for r in ranks if r.get("installed")), {})}
 
 
 def uninject(llm) -> dict:
-    return llm.collective_rpc(inject.remove_host_failure)[0]
+    ranks = llm.collective_rpc(inject.remove_host_failure)
+    return {"ranks": ranks, **next((r for r in ranks if r.get("fired")), ranks[0])}
 
 
 def reload(llm) -> dict:
@@ -65,7 +67,15 @@ def reset(llm) -> dict:
 
 
 def state(llm) -> dict:
-    return {**llm.collective_rpc(inject.allocator_state)[0], "is_sleeping": bool(llm.llm_engine.is_sleeping())}
+    ranks = llm.collective_rpc(inject.allocator_state)
+    return {**ranks[0], "ranks": ranks, "is_sleeping": bool(llm.llm_engine.is_sleeping())}
+
+
+def kill_rank(llm, rank: int) -> dict:
+    """SIGKILL one worker (as the OOM killer or a crash would)."""
+    pids = llm.collective_rpc(inject.worker_pid)
+    os.kill(int(pids[int(rank)]["pid"]), 9)
+    return {"killed_pid": int(pids[int(rank)]["pid"]), "pids": pids}
 
 
 def leave(llm) -> dict:
@@ -73,7 +83,7 @@ def leave(llm) -> dict:
 
 
 HANDLERS = {"generate": generate, "sleep": sleep, "wake": wake, "inject": inject_fault, "uninject": uninject,
-            "reload": reload, "reset": reset, "state": state, "exit": leave}
+            "reload": reload, "reset": reset, "state": state, "kill_rank": kill_rank, "exit": leave}
 
 
 def facts() -> dict:
@@ -81,7 +91,7 @@ def facts() -> dict:
     import vllm
 
     return {"vllm": getattr(vllm, "__version__", None), "vllm_file": vllm.__file__, "torch": torch.__version__,
-            "cuda": torch.version.cuda, "python": sys.version.split()[0], "pid": os.getpid()}
+            "cuda": torch.version.cuda, "python": sys.version.split()[0], "pid": os.getpid(), "driver": "api"}
 
 
 def answer(llm, line: str) -> tuple[str | None, dict]:

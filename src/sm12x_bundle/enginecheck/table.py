@@ -131,11 +131,26 @@ def scenario_block(report: Report, key: str) -> list[str]:
     return lines
 
 
+def engine_line(report: Report) -> list[str]:
+    """How the engines ran: the driver, TP x PP over which GPUs, graphs, the flags passed on."""
+    e = report.engine_settings
+    if not e:
+        return []
+    how = "vllm serve over HTTP" if e.get("driver") == "serve" else "the Python API (vllm.LLM)"
+    gpus = ", ".join(str(c.get("index")) for c in report.cards) or "?"
+    line = f"  engines: {how}, TP={e.get('tp')} x PP={e.get('pp')} on GPUs {gpus}, {e.get('graphs')}"
+    if e.get("vllm_args"):
+        line += f"; the operator's flags: {' '.join(e['vllm_args'])}"
+    if e.get("left_out_vllm_args"):
+        line += f"; left out (the check sets them): {' '.join(e['left_out_vllm_args'])}"
+    return [line]
+
+
 def header(report: Report) -> list[str]:
     card = report.card
     first = (f"vLLM engine check on {card.get('name', '?')} (driver {card.get('driver', '?')}), "
              f"vLLM {report.install.get('version')} with lane {report.lane}, {report.date}")
-    lines = [first]
+    lines = [first, *engine_line(report)]
     said = {"patched": "a copy of pristine, the lane's series applied", "pristine": "as installed",
             "installed": "as installed"}
     for t in report.trees:
@@ -153,8 +168,9 @@ def header(report: Report) -> list[str]:
         size = report.sizes.get(key)
         if size:
             what = "one engine alone" if key == "single" else "two engines, each"
+            per = f" per GPU over {size['gpus']} GPUs" if size.get("gpus", 1) > 1 else ""
             lines.append(f"  {what}: {_gib(size['weight_bytes'])} of weights + {_gib(size['kv_cache_bytes'])} of KV "
-                         f"cache (gpu_memory_utilization {size['gpu_memory_utilization']})")
+                         f"cache{per} (gpu_memory_utilization {size['gpu_memory_utilization']})")
     return lines
 
 

@@ -1,0 +1,156 @@
+"""A stand-in for ``python -m vllm.entrypoints.cli.main serve`` that needs no GPU.
+
+It answers vLLM's endpoints as vLLM 0.21.0's server does in dev mode, so that the engine
+check's serve driver (enginecheck/serve_session.py, endpoints.py) is tested for real over
+HTTP: /health, /v1/completions, /sleep, /wake_up, /is_sleeping, /collective_rpc,
+/reset_prefix_cache. Each rank is a process of its own (a sleeping child), so killing a
+rank's pid makes /health fail. Behaviour is chosen by FAKE_SERVE (comma list):
+
+  fail-sleep-rank-R   a sleep answers HTTP 500 and logs an error that names rank R
+  hang-wake           a wake never answers
+  fail-wake           a wake answers HTTP 500 and the server stays asleep
+  wedge-after-kill    once a rank is dead, /health still says 200 and every POST hangs (a wedged
+                      engine), instead of answering 500
+  exit-at-start       the server exits with code 1 before it is healthy
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def option(argv: list[str], name: str, default: str) -> str:
+    return argv[argv.index(name) + 1] if name in argv else default
+
+
+class State:
+    def __init__(self, argv: list[str]) -> None:
+        self.argv = argv
+        self.ranks = int(option(argv, "--tensor-parallel-size", "1")) * int(option(argv, "--pipeline-parallel-size", "1"))
+        self.model = option(argv, "--served-model-name", "model")
+        self.flags = os.environ.get("FAKE_SERVE", "").split(",")
+        self.asleep = False
+        self.injected: dict[int, bool] = {}
+        self.workers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+                        for _ in range(self.ranks)]
+
+    def healthy(self) -> bool:
+        return all(w.poll() is None for w in self.workers)
+
+    def says_healthy(self) -> bool:
+        return self.healthy() or "wedge-after-kill" in self.flags
+
+    def rpc(self, method: str, args: list[str]) -> list:
+        out = []
+        for rank, worker in enumerate(self.workers):
+            if method == "sm12x_state":
+                out.append({"rank": rank, "pid": worker.pid, "tags": {"weights": {
+                    "allocations": 2, "bytes": 1 << 20, "asleep": 2 if self.asleep else 0, "backed_up_bytes": 0}},
+                    "cumem_py": None, "extension": None})
+            elif method == "sm12x_inject":
+                on = args[1] == "" or int(args[1]) == rank
+                self.injected[rank] = on
+                out.append({"installed": on, "rank": rank})
+            elif method == "sm12x_uninject":
+                out.append({"fired": self.injected.pop(rank, False), "rank": rank})
+            elif method == "sm12x_pid":
+                out.append({"rank": rank, "pid": worker.pid})
+            else:
+                return None
+        return out
+
+
+def handler(state: State):
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            print("fake serve:", args[0] % args[1:], file=sys.stderr, flush=True)
+
+        def reply(self, code: int, doc=None) -> None:
+            body = b"" if doc is None else json.dumps(doc).encode()
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def body(self) -> dict:
+            length = int(self.headers.get("Content-Length") or 0)
+            return json.loads(self.rfile.read(length)) if length else {}
+
+        def do_GET(self) -> None:
+            path = urllib.parse.urlsplit(self.path).path
+            if path == "/health":
+                self.reply(200 if state.says_healthy() else 500)
+            elif path == "/v1/models":
+                self.reply(200, {"object": "list", "data": [{"id": state.model, "object": "model"}]})
+            elif path == "/is_sleeping":
+                self.reply(200, {"is_sleeping": state.asleep})
+            else:
+                self.reply(404, {"detail": "Not Found"})
+
+        def do_POST(self) -> None:
+            url = urllib.parse.urlsplit(self.path)
+            path, query = url.path, urllib.parse.parse_qs(url.query)
+            if not state.healthy():
+                if "wedge-after-kill" in state.flags:
+                    time.sleep(3600)
+                print("ERROR EngineDeadError: EngineCore encountered an issue", file=sys.stderr, flush=True)
+                return self.reply(500, {"error": "EngineDeadError"})
+            if path == "/v1/completions":
+                doc = self.body()
+                if state.asleep:
+                    return self.reply(500, {"error": "the engine is asleep"})
+                if doc.get("model") != state.model:
+                    return self.reply(404, {"error": f"model {doc.get('model')} does not exist"})
+                toks = [[(sum(p) + i * 7) % 32000 for i in range(doc["max_tokens"])] for p in doc["prompt"]]
+                return self.reply(200, {"choices": [{"index": i, "text": "", "token_ids": t} for i, t in enumerate(toks)]})
+            if path == "/sleep":
+                for flag in state.flags:
+                    if flag.startswith("fail-sleep-rank-"):
+                        rank = flag.rsplit("-", 1)[1]
+                        print(f"ERROR sleep failed on rank {rank} of ranks 0-{state.ranks - 1} (rank {rank}: "
+                              f"tag 'weights', 1048576 bytes: out of host memory)", file=sys.stderr, flush=True)
+                        return self.reply(500, {"error": "Internal Server Error"})
+                state.asleep = True
+                return self.reply(200)
+            if path == "/wake_up":
+                if "hang-wake" in state.flags:
+                    time.sleep(3600)
+                if "fail-wake" in state.flags:
+                    print("ERROR wake_up failed: out of memory (tag 'weights', 1048576 bytes)", file=sys.stderr, flush=True)
+                    return self.reply(500, {"error": "Internal Server Error"})
+                state.asleep = False if not query.get("tags") else state.asleep
+                return self.reply(200)
+            if path == "/reset_prefix_cache":
+                return self.reply(200)
+            if path == "/collective_rpc":
+                doc = self.body()
+                results = state.rpc(doc["method"], doc.get("args", []))
+                if results is None:
+                    return self.reply(500, {"error": f"method {doc['method']} not found"})
+                return self.reply(200, {"results": results})
+            self.reply(404, {"detail": "Not Found"})
+
+    return Handler
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    assert argv[0] == "serve", argv
+    print("fake serve: argv " + json.dumps(argv), file=sys.stderr, flush=True)
+    if "exit-at-start" in os.environ.get("FAKE_SERVE", ""):
+        print("ERROR RuntimeError: CUDA out of memory while loading", file=sys.stderr, flush=True)
+        sys.exit(1)
+    state = State(argv)
+    server = ThreadingHTTPServer((option(argv, "--host", "127.0.0.1"), int(option(argv, "--port", "8000"))),
+                                 handler(state))
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""The engine check's serve driver: `vllm serve` driven over HTTP, as operators run it.
+
+The server here is tests/stubs/fake_vllm_serve (vLLM's endpoints answered by a small HTTP
+server, one sleeping process per rank); the driver's side is the real one: the session that
+starts the server in its process group (serve_session.py), the HTTP client (endpoints.py),
+the protocol, the scenario's judgement. On the GPU machine the same code drives vLLM's own
+server (docs/results.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from sm12x_bundle.enginecheck import bench, failures, model, plan, procs, releases
+from sm12x_bundle.errors import ConfigError
+
+FAKE_VLLM = Path(__file__).parent / "stubs" / "fake_vllm_serve"
+SERVE = (sys.executable, "-m", "sm12x_bundle.enginecheck.serve_session")
+
+
+def settings(tp: int = 1, **more) -> str:
+    return json.dumps({"model": "/nowhere", "gpu_memory_utilization": 0.5, "kv_cache_bytes": 1 << 28,
+                       "max_model_len": 1024, "max_num_seqs": 8, "max_num_batched_tokens": 1024, "tp": tp,
+                       "pp": 1, "eager": False, "vllm_args": [], "call_timeout": 5, "start_timeout": 30, **more})
+
+
+def env(fake: str = "") -> dict:
+    ours = str(Path(bench.__file__).resolve().parents[2])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(FAKE_VLLM), ours]), "FAKE_SERVE": fake}
+
+
+def start(groups: procs.Groups, tmp_path: Path, fake: str = "", tp: int = 1) -> procs.Child:
+    child = groups.start([*SERVE, "--settings", settings(tp)], env(fake), tmp_path / "serve.log", "serve", echo=False)
+    ready = child.next_message(60)
+    assert ready.get("event") == "ready", ready
+    return child
+
+
+def test_the_serve_session_drives_sleep_wake_and_generate_over_http(tmp_path):
+    with procs.groups() as groups:
+        child = start(groups, tmp_path, tp=2)
+        got = child.ask("generate", 10, prompts=[[1, 2], [3]], max_tokens=3)
+        assert got["ok"] and got["tokens"] == [[3, 10, 17], [3, 10, 17]] and got["healthy"] is True
+        slept = child.ask("sleep", 10, level=1)
+        assert slept["ok"] and slept["is_sleeping"] is True
+        state = child.ask("state", 10)
+        assert [r["rank"] for r in state["ranks"]] == [0, 1] and state["is_sleeping"] is True
+        woke = child.ask("wake", 10)
+        assert woke["ok"] and woke["fully_awake"] is True
+        assert child.ask("exit", 10)["ok"]
+
+
+def test_the_server_gets_the_operators_settings_and_their_flags(tmp_path):
+    argv = releases.serve_argv({**json.loads(settings(tp=2)), "vllm_args": ["--compilation-config", "{}"]}, 8123, "x")
+    assert argv[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", "/nowhere"]
+    joined = " ".join(argv)
+    for flag in ("--enable-sleep-mode", "--tensor-parallel-size 2", "--pipeline-parallel-size 1", "--port 8123",
+                 "--worker-extension-cls sm12x_bundle.enginecheck.probe.Probe", "--load-format dummy"):
+        assert flag in joined
+    assert "--enforce-eager" not in argv and argv[-2:] == ["--compilation-config", "{}"]
+
+
+def test_a_fault_goes_to_one_rank_alone(tmp_path):
+    with procs.groups() as groups:
+        child = start(groups, tmp_path, tp=2)
+        reply = child.ask("inject", 10, at="middle", rank=1)
+        assert [r["installed"] for r in reply["ranks"]] == [False, True] and reply["rank"] == 1
+
+
+def test_a_failed_sleep_says_what_the_server_logged_and_the_health_after_it(tmp_path):
+    with procs.groups() as groups:
+        child = start(groups, tmp_path, fake="fail-sleep-rank-1", tp=2)
+        reply = child.ask("sleep", 10, level=1)
+        assert reply["ok"] is False and "HTTP 500" in reply["error"]
+        assert "rank 1" in reply["error"] and "tag 'weights', 1048576 bytes" in reply["error"]
+        assert failures.names_allocation(reply["error"]) and reply["healthy"] is True
+
+
+def test_a_call_that_hangs_is_a_timed_out_reply_not_a_hang(tmp_path):
+    with procs.groups() as groups:
+        child = start(groups, tmp_path, fake="hang-wake")
+        reply = child.ask("wake", 30)
+        assert reply["ok"] is False and reply["timed_out"] is True and "no answer within 5 s" in reply["error"]
+
+
+def test_a_server_that_dies_at_start_is_a_failed_start_with_its_words(tmp_path):
+    with procs.groups() as groups:
+        child = groups.start([*SERVE, "--settings", settings()], env("exit-at-start"), tmp_path / "s.log", "serve",
+                             echo=False)
+        ready = child.next_message(60)
+        assert ready["event"] == "failed" and "exited (code 1)" in ready["error"]
+        assert "CUDA out of memory" in ready["error"]
+
+
+def serve_bench(tmp_path: Path, groups: procs.Groups, fake: str, tp: int) -> bench.Bench:
+    size = plan.engine_size(plan.GiB, 80 * plan.GiB, tp)
+    sizes = plan.Sizes(size, None, 2, 4, 4, 1, 0, 4, None)
+    par = plan.Parallel("serve", tp=tp)
+    return bench.Bench(groups, None, sizes, {"single": tmp_path / "model"}, None, None, tmp_path,
+                       model.prompts(2, 4), call_timeout=5, start_timeout=30, parallel=par,
+                       session=(sys.executable, str(Path(__file__).parent / "stubs" / "serve_with_fake_vllm.py"), fake))
+
+
+def test_a_worker_killed_while_asleep_is_seen_by_every_call_within_the_timeout(tmp_path):
+    tree = plan.Tree("patched", FAKE_VLLM, (FAKE_VLLM,))
+    with procs.groups() as groups:
+        f = failures.killed_worker(serve_bench(tmp_path, groups, "", 2), tree)
+    outcome, words = f.outcome()
+    assert outcome == "pass", words
+    assert f.figures["killed_rank"] == 1 and f.figures["said_within_s"] < 30
+    assert f.checks["health fails"][0] and f.checks["calls fail"][0] and f.checks["no call hung"][0]
+
+
+def test_a_wedged_server_fails_the_killed_worker_scenario(tmp_path):
+    tree = plan.Tree("pristine", FAKE_VLLM, (FAKE_VLLM,))
+    with procs.groups() as groups:
+        f = failures.killed_worker(serve_bench(tmp_path, groups, "wedge-after-kill", 2), tree)
+    outcome, words = f.outcome()
+    assert outcome == "fail" and "hung until the 5 s timeout" in words
+
+
+@pytest.mark.parametrize("given, tp, pp, eager, kept, left", [
+    (["--compilation-config", '{"cudagraph_mode":"FULL_AND_PIECEWISE"}'], 1, 1, False,
+     ["--compilation-config", '{"cudagraph_mode":"FULL_AND_PIECEWISE"}'], []),
+    (["--pipeline_parallel_size=2", "-tp", "2", "--max-num-seqs", "12"], 2, 2, False, [],
+     ["--pipeline_parallel_size=2", "-tp", "2", "--max-num-seqs", "12"]),
+    (["--enforce-eager", "--kv-cache-dtype", "fp8"], 1, 1, True, ["--kv-cache-dtype", "fp8"], ["--enforce-eager"]),
+])
+def test_the_operators_flags_set_the_engine_and_the_checks_own_are_left_out(given, tp, pp, eager, kept, left):
+    p = plan.parallel("serve", None, None, False, given)
+    assert (p.tp, p.pp, p.eager, list(p.vllm_args), list(p.left_out)) == (tp, pp, eager, kept, left)
+
+
+def test_flags_need_the_serve_driver():
+    with pytest.raises(ConfigError, match="--vllm-arg goes with --driver serve"):
+        plan.parallel("api", None, None, False, ["--compilation-config", "{}"])
+
+
+def test_sizes_are_per_gpu_when_an_engine_spreads_over_several():
+    one, two = plan.engine_size(8 * plan.GiB, 80 * plan.GiB, 1), plan.engine_size(8 * plan.GiB, 80 * plan.GiB, 2)
+    assert two.kv_cache_bytes * 2 == one.kv_cache_bytes
+    assert two.gpu_memory_utilization < one.gpu_memory_utilization
