@@ -145,3 +145,22 @@ def test_sizes_are_per_gpu_when_an_engine_spreads_over_several():
     one, two = plan.engine_size(8 * plan.GiB, 80 * plan.GiB, 1), plan.engine_size(8 * plan.GiB, 80 * plan.GiB, 2)
     assert two.kv_cache_bytes * 2 == one.kv_cache_bytes
     assert two.gpu_memory_utilization < one.gpu_memory_utilization
+
+
+def test_an_unknown_job_is_refused_with_the_jobs_there_are(capsys, tmp_path):
+    from sm12x_bundle.cli import main
+
+    assert main(["engine-check", "--installed", "--vllm-path", str(tmp_path), "--job", "nope"]) == 3
+    assert "--job nope: no such job in the configuration (its jobs: dsv4-flash, mimo-flash)" in capsys.readouterr().err
+
+
+def test_a_job_gives_the_engine_its_tp_and_flags(default_context):
+    import argparse
+
+    from sm12x_bundle.cli.engine_check import engine_settings
+
+    args = argparse.Namespace(tp=None, pp=None, eager=False, driver="serve", vllm_arg=[], job="dsv4-flash")
+    job = next(j for j in default_context.config.jobs if j.name == "dsv4-flash")
+    p = engine_settings(default_context, args)
+    assert p.tp == job.tensor_parallel_size and p.driver == "serve"
+    assert list(p.vllm_args) + list(p.left_out) == list(job.extra_args)
