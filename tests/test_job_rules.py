@@ -202,6 +202,8 @@ DANGERS = [
      "LD_LIBRARY_PATH: /srv/lib", "changes what the loader or Python loads", "allow_env: [LD_LIBRARY_PATH]"),
     ("env-pythonpath", ((ENV, "      PYTHONPATH: /srv/py\n"),), "jobs[0].env.PYTHONPATH", "PYTHONPATH: /srv/py",
      "changes what the loader or Python loads", "allow_env: [PYTHONPATH]"),
+    ("env-ld-audit", ((ENV, "      LD_AUDIT: /srv/audit.so\n"),), "jobs[0].env.LD_AUDIT", "LD_AUDIT: /srv/audit.so",
+     "changes what the loader or Python loads", "allow_env: [LD_AUDIT]"),
     ("env-pythonhome", ((ENV, "      PYTHONHOME: /srv/py\n"),), "jobs[0].env.PYTHONHOME", "PYTHONHOME: /srv/py",
      "changes what the loader or Python loads", "allow_env: [PYTHONHOME]"),
     ("gate-tool-dir-root", (*GATED, ("    overlay_delivery: host\n", "    overlay_delivery: host\n    gate_tool_dir: /\n")),
@@ -226,6 +228,15 @@ def test_a_dangerous_value_is_refused(world, capsys, name, edits, key, at, fragm
 def test_the_allow_key_lets_it_through(world, capsys, name, edits, key, at, fragment, allow):
     code, err = run(*world, Row(_allowed(edits, allow)), capsys)
     assert (code, err) == (0, ""), err
+
+
+def test_a_gated_job_may_not_set_pythonpath_even_when_allowed(world, capsys):
+    """The gate sets PYTHONPATH (to the mounted tool): allow_env does not override that."""
+    row = Row((*GATED, (ENV, "      PYTHONPATH: /srv/py\n"), (GATE_AT, GATE_AT + "    allow_env: [PYTHONPATH]\n")),
+              "jobs[0].env.PYTHONPATH", "PYTHONPATH: /srv/py")
+    code, err = run(*world, row, capsys)
+    assert code == 3 and "env PYTHONPATH is set by sm12x-bundle in the gate" in err, err
+    assert err.startswith(f"sm12x-bundle: error: {CONFIG}:{row.line()}: jobs[0].env.PYTHONPATH: ")
 
 
 ALLOW_NOTHING = [

@@ -667,6 +667,9 @@ def test_the_fingerprint_is_the_same_for_the_same_files(gate_checkout):
     checkout, install, cwd = gate_checkout
     (checkout / "src" / "sm12x_bundle" / "__pycache__").mkdir(exist_ok=True)
     (checkout / "src" / "sm12x_bundle" / "__pycache__" / "jobs.cpython-312.pyc").write_bytes(b"x")
+    touched = checkout / "src" / "sm12x_bundle" / "jobs.py"
+    os.utime(touched, (1, 1))
+    touched.chmod(0o600)
     probe = "from sm12x_bundle.fingerprint import tool_fingerprint; print(tool_fingerprint())"
     env = {**os.environ, "PYTHONPATH": str(checkout / "src")}
     theirs = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout.strip()
