@@ -85,6 +85,8 @@ MANAGED = [
     (("--gpu-mem=0.99",), 0, "--gpu-memory-utilization"),  # argparse's abbreviation
     (("--gpu_mem", "0.99"), 0, "--gpu-memory-utilization"),
     (("--gpu-memory-utilization.x=1",), 0, "--gpu-memory-utilization"),  # a nested value of the flag
+    (("--device_memory_utilization=0.99",), 0, "--gpu-memory-utilization"),  # 0.33.0's alias
+    (("--device-mem", "0.99"), 0, "--gpu-memory-utilization"),
     (("--max-num-seqs", "12", "--gpu_memory_utilization=0.99"), 2, "--gpu-memory-utilization"),
     (("--tensor_parallel_size=8",), 0, "--tensor-parallel-size"),
     (("--tensor-parallel-size", "8"), 0, "--tensor-parallel-size"),
@@ -258,6 +260,20 @@ def test_an_allow_entry_that_allows_nothing_is_refused(world, capsys, allow, key
 _OPTION = re.compile(r"--?[a-z][a-z0-9-]*")
 
 
+def aliases(root: Path) -> dict[str, set[str]]:
+    """For each managed flag registered by an ``add_argument`` call in arg_utils.py (by one of
+    its names, or by ``dest``), every option string of that call: a new alias shows here."""
+    canonical = {f.flag for f in serve_flags.MANAGED}
+    found: dict[str, set[str]] = {}
+    for node in ast.walk(ast.parse((root / "vllm" / "engine" / "arg_utils.py").read_text("utf-8"))):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+            names = {a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)}
+            dest = next((k.value.value for k in node.keywords if k.arg == "dest" and isinstance(k.value, ast.Constant)), None)
+            for flag in names & canonical | ({"--" + dest.replace("_", "-")} & canonical if dest else set()):
+                found.setdefault(flag, set()).update(names)
+    return found
+
+
 def serve_options(root: Path) -> set[str]:
     """Every option string ``vllm serve`` may register in a source tree, read without importing
     it: the option-like string constants of the files that build its parser, the frontend's
@@ -290,6 +306,8 @@ def test_the_managed_flags_match_each_lanes_argument_list(default_context):
         options = serve_options(root)
         assert {f.flag for f in serve_flags.MANAGED} <= options, lane.version
         seen |= spellings & options
+        for flag, names in aliases(root).items():
+            assert names <= spellings, (lane.version, flag, names - spellings)
         # An exact option wins over an abbreviation: none of vLLM's may be a proper prefix of ours.
         shadowing = [(o, s) for o in options - spellings for s in spellings
                      if s.startswith(o) and o.startswith("--") == s.startswith("--")]

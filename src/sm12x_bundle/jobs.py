@@ -1,8 +1,9 @@
 """The rules of a Nomad job, in the words both the config check and the Nomad renderer use:
 what a job asks of its node (the GPU memory budget, the host-RAM budget of the jobs that
-share a node), the vllm serve flags and environment the job spec sets itself, where the
-rollout gate finds sm12x-bundle, and the checks of every job value, run when the config is
-loaded so that ``--dry-run`` refuses what a render would.
+share a node), the environment the job spec sets itself (the vllm serve flags it manages are
+serve_flags.py's), where the rollout gate finds sm12x-bundle, the mounts and env that would
+hand a job the node unless an allow_* key says the operator means it, and the checks of every
+job value, run when the config is loaded so that ``--dry-run`` refuses what a render would.
 
 Below config and outputs/nomad: each imports it, it imports neither.
 """

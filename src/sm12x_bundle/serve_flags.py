@@ -21,7 +21,8 @@ sdists of both lanes (vLLM 0.21.0 and 0.33.0; line numbers of 0.21.0, then 0.33.
   (l.786, l.991), ``--served-model-name`` (l.812, l.1031), ``--enable-sleep-mode`` (l.825,
   l.1047), ``--pipeline-parallel-size``/``-pp`` (l.923, l.1171), ``--tensor-parallel-size``/``-tp``
   (l.943, l.1209), ``--data-parallel-size``/``-dp`` (l.968, l.1241), ``--gpu-memory-utilization``
-  (l.1083, l.1389), ``--kv-cache-memory-bytes`` (l.1086, l.1395).
+  (l.1083, l.1389; 0.33.0 adds the alias ``--device-memory-utilization``, l.1390),
+  ``--kv-cache-memory-bytes`` (l.1086, l.1395).
 - ``vllm/entrypoints/openai/cli_args.py`` (0.33.0: ``vllm/entrypoints/common/cli_args.py``):
   ``FrontendArgs`` fields ``host``, ``port`` and ``uds`` (l.228-232, l.313: "If set, host and port
   arguments are ignored") become ``--host``, ``--port``, ``--uds``; ``make_arg_parser`` adds
@@ -30,9 +31,11 @@ sdists of both lanes (vLLM 0.21.0 and 0.33.0; line numbers of 0.21.0, then 0.33.
   a token that starts with ``-`` is read as an option even where an earlier option wanted a
   value; ``-tp8`` is not ``-tp 8`` (only two-character options take an attached value).
 
-tests/test_job_rules.py (marked integration) reads the cached sdists and fails when a lane
-registers a spelling missing here, or an option that is a proper prefix of one of these (an
-exact option wins over an abbreviation, so the prefix rule below would then be wrong).
+tests/test_job_rules.py (marked integration) reads the cached sdists and fails when a lane lacks
+one of these flags, registers an alias of one that is missing here (it found 0.33.0's
+``--device-memory-utilization``), has none of a spelling here, or has an option that is a proper
+prefix of one of these (an exact option wins over an abbreviation, so the prefix rule below
+would then be wrong).
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ MANAGED: tuple[ServeFlag, ...] = (
     ServeFlag("--port", ("--port",), "comes from the job's port"),
     ServeFlag("--tensor-parallel-size", ("--tensor-parallel-size", "-tp"), "comes from the job's tensor_parallel_size"),
     ServeFlag(
-        "--gpu-memory-utilization", ("--gpu-memory-utilization",),
+        "--gpu-memory-utilization", ("--gpu-memory-utilization", "--device-memory-utilization"),
         "comes from the job's gpu_memory_utilization (the memory budget checks it)",
     ),
     ServeFlag(
