@@ -144,11 +144,11 @@ def test_the_process_check_sees_a_start(tmp_path):
 # -> plan -> outputs, the checks beside; the commands on top.
 FLOORS = (
     ("errors", "sm12x_bundle"),
-    ("progress", "cmd", "fsutil", "inputs", "values"),
+    ("progress", "cmd", "fsutil", "inputs", "values", "serve_flags"),
     ("containers", "native", "jobs"),
     ("source",),
     ("series",),
-    ("checks", "config"),
+    ("checks", "config", "fingerprint"),
     ("context",),
     ("plan",),
     ("outputs",),

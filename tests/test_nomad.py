@@ -40,10 +40,12 @@ from tools.golden.nomad import (
     HOST_JOB,
     ROOT,
     TARGETS,
+    jobs_config,
     manifest,
     render,
 )
 from tools.golden.nomad import GOLDEN as GOLDEN_JOBS
+from tools.golden.nomad import TOOL as RENDERER  # the golden gates' stand-in fingerprint
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden" / "nomad"
@@ -515,7 +517,10 @@ def test_gate_is_a_prestart_task_with_vllms_image_overlays_env_and_gpus():
         assert gate["lifecycle"] == {"hook": "prestart", "sidecar": False}
         assert gate["restart"] == {"attempts": 0, "mode": "fail"}
         assert gate["docker"]["entrypoint"] == ["python3", "-m", "sm12x_bundle"]
-        assert gate["docker"]["args"] == ["engine-check", "--installed", "--quick", "--lane", "0.21.0"]
+        assert gate["docker"]["args"] == [
+            "--require-tool", RENDERER, "engine-check", "--installed", "--quick", "--lane", "0.21.0", "--tp", "4",
+            "--vllm-arg=--max-num-seqs", "--vllm-arg=12", "--vllm-arg=--enforce-eager",
+        ]
         for key in ("image", "runtime", "readonly_rootfs", "shm_size"):
             assert gate["docker"][key] == main["docker"][key], key
         assert main["docker"]["runtime"] == "nvidia" and gate["env"]["NVIDIA_VISIBLE_DEVICES"] == "0,1,2,3"
@@ -541,7 +546,9 @@ def test_allocator_gate_fetches_the_same_overlay_artifacts():
     files = render(ALLOCATOR_GATED_JOB)
     for view in (api_view(json.loads(files["allocator-gated-job.nomad.json"])), hcl_view(files["allocator-gated-job.nomad.hcl"].decode())):
         gate, main = view["gate"], view["task"]
-        assert gate["docker"]["args"] == ["selftest", "--installed", "--scenario", "inflight-free,stale-error,double-wake,failing-sleep"]
+        assert gate["docker"]["args"] == [
+            "--require-tool", RENDERER, "selftest", "--installed", "--scenario", "inflight-free,stale-error,double-wake,failing-sleep",
+        ]
         assert gate["artifacts"] == main["artifacts"] and len(gate["artifacts"]) == 2
         assert [m for m in gate["docker"]["mounts"] if m != TOOL] == main["docker"]["mounts"]
         assert gate["env"]["NVIDIA_VISIBLE_DEVICES"] == "4,5"
@@ -570,8 +577,10 @@ def test_engine_gate_needs_the_manifests_pinned_release():
 
 def test_gate_notes_name_the_check_and_the_client_checkout():
     hcl = render(GATED_JOB)["gated-job.nomad.hcl"].decode()
-    assert "# Rollout gate: task \"gate\" runs 'sm12x-bundle engine-check --installed --quick --lane 0.21.0' before vLLM starts;" in hcl
-    assert "#   a checkout of sm12x-bundle (src/ and patches/) at /opt/sm12x-bundle/tool, for the gate" in hcl
+    assert ("# Rollout gate: task \"gate\" runs 'sm12x-bundle engine-check --installed --quick --lane 0.21.0 --tp 4 "
+            "--vllm-arg=--max-num-seqs --vllm-arg=12 --vllm-arg=--enforce-eager' before vLLM starts;") in hcl
+    assert f"#   It runs only with the sm12x-bundle that rendered this job ({RENDERER}): another exits 13." in hcl
+    assert "#   a checkout of the sm12x-bundle that rendered this job (src/ and patches/) at /opt/sm12x-bundle/tool, for the gate" in hcl
     assert 'plugin "docker" { config { volumes { enabled = true } } }' in render(ALLOCATOR_GATED_JOB)["allocator-gated-job.nomad.hcl"].decode()
 
 
@@ -604,26 +613,84 @@ def gate_checkout(tmp_path):
     return checkout, install, tmp_path / "cwd"
 
 
+def rendered_gate_args(job: str) -> list[str]:
+    """The gate's arguments exactly as ``sm12x-bundle nomad`` renders them: this tool's own fingerprint."""
+    cfg = jobs_config(job)
+    return list(nomad.plan_job(cfg, cfg.jobs[0], manifest()).gate.args)
+
+
+def _engine_check_takes_the_jobs_options() -> bool:
+    """engine-check's --tp and --vllm-arg (the gate passes the job's own; engine-check adds them)."""
+    from sm12x_bundle.cli import build_parser
+
+    text = build_parser()._subparsers._group_actions[0].choices["engine-check"].format_help()
+    return "--tp" in text and "--vllm-arg" in text
+
+
 def test_the_gates_command_runs_from_a_checkout_without_docker_or_hcl2(gate_checkout):
-    """Up to the GPU: the config (the embedded default's lanes, whose series are in patches/), the
-    lane and the arguments pass; here it stops at the missing NVIDIA driver, on a node at the GPU.
-    --vllm-path stands in for the image's vLLM, which the gate finds on its own."""
+    """Up to the GPU: the fingerprint, the config (the embedded default's lanes, whose series are in
+    patches/), the lane and the arguments pass; here it stops at the missing NVIDIA driver, on a node
+    at the GPU. --vllm-path stands in for the image's vLLM, which the gate finds on its own."""
     checkout, install, cwd = gate_checkout
-    args = list(nomad.gate_args("engine", manifest(), "w"))
-    done = _gate_command(checkout, cwd, *args, "--vllm-path", str(install))
-    assert done.returncode == 12 and "no NVIDIA driver here" in done.stderr, done.stderr
-    other = [*args[:-1], "0.33.0"]
-    done = _gate_command(checkout, cwd, *other, "--vllm-path", str(install))
-    assert done.returncode == 3 and "--lane 0.33.0 disagrees with the vLLM under test" in done.stderr, done.stderr
-    done = _gate_command(checkout, cwd, *nomad.gate_args("allocator", manifest(), "w"))
+    done = _gate_command(checkout, cwd, *rendered_gate_args(ALLOCATOR_GATED_JOB))
     assert done.returncode == 2 and "no vLLM is installed in this Python" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+    if not _engine_check_takes_the_jobs_options():
+        pytest.skip("engine-check does not take --tp and --vllm-arg yet")
+    args = rendered_gate_args(GATED_JOB)
+    done = _gate_command(checkout, cwd, *args, "--vllm-path", str(install))
+    assert done.returncode == 12 and "no NVIDIA driver here" in done.stderr, done.stderr
+    other = [a if a != "0.21.0" else "0.33.0" for a in args]
+    done = _gate_command(checkout, cwd, *other, "--vllm-path", str(install))
+    assert done.returncode == 3 and "--lane 0.33.0 disagrees with the vLLM under test" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("edit", ["src/sm12x_bundle/jobs.py", "patches/0.21.0/series"])
+def test_the_gate_refuses_a_checkout_other_than_the_renderers(gate_checkout, edit):
+    """One byte more in the mounted checkout's sources or series: exit 13 before anything runs
+    (before the command's own options too, which another version may not know), naming both."""
+    checkout, install, cwd = gate_checkout
+    args = rendered_gate_args(GATED_JOB)
+    with open(checkout / edit, "a") as fh:
+        fh.write("\n")
+    done = _gate_command(checkout, cwd, *args, "--vllm-path", str(install))
+    ours = args[1]
+    assert done.returncode == 13, done.stderr
+    (line,) = done.stderr.splitlines()
+    theirs = re.search(r"this sm12x-bundle is (\S+), but the job was rendered by (\S+):", line)
+    assert theirs and theirs.group(2) == ours and theirs.group(1) != ours and theirs.group(1).startswith(ours.split("/")[0] + "/sha256:")
+
+
+def test_the_fingerprint_is_the_same_for_the_same_files(gate_checkout):
+    """A copy of src/ and patches/ (other paths, other mtimes) has the renderer's fingerprint;
+    bytecode beside the sources does not count."""
+    checkout, install, cwd = gate_checkout
+    (checkout / "src" / "sm12x_bundle" / "__pycache__").mkdir(exist_ok=True)
+    (checkout / "src" / "sm12x_bundle" / "__pycache__" / "jobs.cpython-312.pyc").write_bytes(b"x")
+    touched = checkout / "src" / "sm12x_bundle" / "jobs.py"
+    os.utime(touched, (1, 1))
+    touched.chmod(0o600)
+    probe = "from sm12x_bundle.fingerprint import tool_fingerprint; print(tool_fingerprint())"
+    env = {**os.environ, "PYTHONPATH": str(checkout / "src")}
+    theirs = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert theirs == rendered_gate_args(GATED_JOB)[1]
+
+
+def test_require_tool_with_the_right_fingerprint_runs_the_command(capsys):
+    from sm12x_bundle.fingerprint import tool_fingerprint
+
+    assert cli.main(["--require-tool", tool_fingerprint(), "series"]) == 0
+    assert "cumem-stream-aware-free" in capsys.readouterr().out
+    assert cli.main(["--require-tool", "0.0.0/sha256:" + "0" * 64, "series", "--no-such-option"]) == 13
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"this sm12x-bundle is {tool_fingerprint()}, but the job was rendered by 0.0.0/sha256:" in err
 
 
 def test_src_alone_is_not_enough_for_the_gate(gate_checkout):
     checkout, install, cwd = gate_checkout
     shutil.rmtree(checkout / "patches")
-    done = _gate_command(checkout, cwd, *nomad.gate_args("engine", manifest(), "w"), "--vllm-path", str(install))
+    args = [a for a in rendered_gate_args(ALLOCATOR_GATED_JOB)][2:]  # without patches/, the fingerprint differs too
+    done = _gate_command(checkout, cwd, *args)
     assert done.returncode == 3 and "no series is shipped for vLLM 0.21.0" in done.stderr, done.stderr
 
 

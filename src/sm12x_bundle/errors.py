@@ -74,6 +74,13 @@ class OutputError(BundleError):
     exit_code = 11
 
 
+class ToolMismatch(BundleError):
+    """``--require-tool``: the sm12x-bundle running is not the one that rendered the job (its
+    version or files differ). Nothing ran."""
+
+    exit_code = 13
+
+
 # What the machine does to a write or a read, never what the input or the tool does: a full
 # or read-only file system, permissions, quotas, a failing disk, no descriptors left.
 ENVIRONMENT_ERRNOS = frozenset(

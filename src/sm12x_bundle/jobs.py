@@ -1,8 +1,9 @@
 """The rules of a Nomad job, in the words both the config check and the Nomad renderer use:
 what a job asks of its node (the GPU memory budget, the host-RAM budget of the jobs that
-share a node), the vllm serve flags and environment the job spec sets itself, where the
-rollout gate finds sm12x-bundle, and the checks of every job value, run when the config is
-loaded so that ``--dry-run`` refuses what a render would.
+share a node), the environment the job spec sets itself (the vllm serve flags it manages are
+serve_flags.py's), where the rollout gate finds sm12x-bundle, the mounts and env that would
+hand a job the node unless an allow_* key says the operator means it, and the checks of every
+job value, run when the config is loaded so that ``--dry-run`` refuses what a render would.
 
 Below config and outputs/nomad: each imports it, it imports neither.
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from . import serve_flags
 from .errors import ConfigError
 from .values import (
     ENV_KEY,
@@ -33,19 +35,6 @@ if TYPE_CHECKING:  # annotations only: config imports this module
 # Inside a docker task, the task's local/ folder is /local (NOMAD_TASK_DIR): writable
 # under readonly_rootfs.
 TASK_DIR = "/local"
-
-# vllm serve flags the job spec writes from the config's keys; extra_args must not repeat them.
-MANAGED_FLAGS = (
-    "--host",
-    "--port",
-    "--tensor-parallel-size",
-    "-tp",
-    "--gpu-memory-utilization",
-    "--enable-sleep-mode",
-    "--served-model-name",
-    "--max-model-len",
-)
-
 
 @dataclass(frozen=True)
 class Budget:
@@ -370,9 +359,10 @@ def _job_container(job: JobConfig, key: str, at: Where) -> None:
     if not job.entrypoint or not all(job.entrypoint):
         at.fail(f"{key}.entrypoint", "entrypoint must not be empty (it replaces the image's ENTRYPOINT)")
     for i, arg in enumerate(job.extra_args):
-        flag = arg.split("=", 1)[0]
-        if flag in MANAGED_FLAGS:
-            at.fail(f"{key}.extra_args[{i}]", f"extra_args sets {flag}, which comes from the job's own keys; use those")
+        flag = serve_flags.managed_flag(arg)
+        if flag is not None:
+            spelled = "" if arg == flag.flag else f" ({arg!r}, as vLLM's parser reads it)"
+            at.fail(f"{key}.extra_args[{i}]", f"extra_args sets {flag.flag}{spelled}, which {flag.instead}")
     managed = managed_env(job)
     for name in sorted(job.env):
         if not ENV_KEY.fullmatch(name):
@@ -424,8 +414,104 @@ def _job_gate_time(job: JobConfig, key: str, at: Where) -> None:
         )
 
 
+# --- dangerous values: refused unless an allow_* key of the job names them ---------
+#
+# A job spec runs on every client that can place it; what follows would hand the job the node
+# itself. Each is refused at config load unless the operator lists it in the job's allow_* key
+# (docs/configuration.md, "Dangerous job values", gives each reason).
+
+# Host paths a bind mount must not reach: the path, a folder inside it, or a folder above it
+# (which holds it: /var holds /var/run/docker.sock).
+HOST_DANGERS: tuple[tuple[str, str], ...] = (
+    ("/var/run/docker.sock", "Docker's socket: whoever reaches it controls every container on the node, and the host"),
+    ("/run/docker.sock", "Docker's socket: whoever reaches it controls every container on the node, and the host"),
+    ("/var/lib/docker", "Docker's state: every container's and image's files on the node"),
+    ("/proc", "the host's kernel view (every process, its environment and memory maps)"),
+    ("/sys", "the host's kernel and device settings"),
+    ("/dev", "the host's devices (disks, GPUs outside the job's own)"),
+    ("/etc", "the host's configuration and secrets (shadow passwords, keys, the Nomad client's settings)"),
+    ("/root", "the host's root user's files (keys, credentials)"),
+    ("/home", "the host's users' files (keys, credentials)"),
+)
+
+# Container paths a mount must not cover (the path, inside it, or above it: / covers them all):
+# the image's own system folders, which would hide its Python, CUDA and loader, and Nomad's
+# task folders, where the job spec keeps the caches and bytecode.
+CONTAINER_SYSTEM = (
+    "/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/root", "/run", "/sbin", "/sys", "/usr",
+    "/var", "/alloc", "/local", "/secrets",
+)
+
+# Env names that choose the GPUs a job sees: the device plugin (gpu_allocation 'device') or
+# gpu_ids (gpu_allocation 'shared') decide that, and the memory budget assumes it.
+GPU_ENV = ("NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+# Env names that change what the dynamic loader (LD_*) or Python loads before vLLM's code:
+# code beside the overlays, or instead of them, would run in the engine.
+LOADER_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONUSERBASE", "PYTHONPLATLIBDIR")
+
+
+def _covers(a: str, b: str) -> bool:
+    """Whether folder a is b, holds b, or lies inside b (normalised absolute paths)."""
+    return a == b or b.startswith(a.rstrip("/") + "/") or a.startswith(b.rstrip("/") + "/")
+
+
+def host_danger(path: str) -> str | None:
+    """Why a host path must not be bind-mounted into a job (None: it may)."""
+    for danger, why in HOST_DANGERS:
+        if _covers(path, danger):
+            return why if path == danger or path.startswith(danger + "/") else f"it holds {danger}, {why}"
+    return None
+
+
+def env_danger(name: str, job: JobConfig) -> str | None:
+    """Why an env name must not be set for a job (None: it may)."""
+    if name in GPU_ENV:
+        owner = "the device plugin" if job.gpu_allocation == "device" else "gpu_ids"
+        return f"chooses the GPUs the job sees, which {owner} decides: the job could reach GPUs it does not hold"
+    if name.startswith("LD_") or name in LOADER_ENV:
+        return "changes what the loader or Python loads: code beside the overlays, or instead of them, would run in vLLM"
+    return None
+
+
+def _job_dangers(job: JobConfig, key: str, at: Where) -> None:
+    for container, host in sorted(job.host_mounts.items()):
+        why = host_danger(host)
+        if why and host not in job.allow_host_mounts:
+            at.fail(f"{key}.host_mounts.{container}", f"mounts the host's {host}: {why}; if you mean it, list {host} in allow_host_mounts")
+        if any(_covers(container, system) for system in CONTAINER_SYSTEM) and container not in job.allow_mount_targets:
+            at.fail(
+                f"{key}.host_mounts.{container}",
+                f"mounts over the container's {container}, which would hide the image's own system files (its Python, "
+                f"CUDA and loader) or Nomad's task folders; if you mean it, list {container} in allow_mount_targets",
+            )
+    why = host_danger(job.gate_tool_dir) if job.gate != "none" else None
+    if why and job.gate_tool_dir not in job.allow_host_mounts:
+        at.fail(f"{key}.gate_tool_dir", f"mounts the host's {job.gate_tool_dir} into the gate: {why}")
+    for name in sorted(job.env):
+        why = env_danger(name, job)
+        if why and name not in job.allow_env:
+            at.fail(f"{key}.env.{name}", f"env {name} {why}; if you mean it, list {name} in allow_env")
+    _job_allowances(job, key, at)
+
+
+def _job_allowances(job: JobConfig, key: str, at: Where) -> None:
+    """An allow_* entry names something the job has: a stale or misspelt one allows nothing."""
+    gate_dir = (job.gate_tool_dir,) if job.gate != "none" else ()
+    for name, allowed, present, what in (
+        ("allow_host_mounts", job.allow_host_mounts, (*job.host_mounts.values(), *gate_dir), "host path of host_mounts"),
+        ("allow_mount_targets", job.allow_mount_targets, tuple(job.host_mounts), "container path of host_mounts"),
+        ("allow_env", job.allow_env, tuple(job.env), "name of env"),
+    ):
+        for i, value in enumerate(allowed):
+            if value not in present:
+                at.fail(f"{key}.{name}[{i}]", f"{value!r} is no {what}{did_you_mean(value, list(present))}")
+
+
+# The gate's own checks run before the dangers, so a gated job's env PYTHONPATH is named as the
+# gate's (which sets it) rather than as a loader variable.
 _JOB_CHECKS = (
     _job_text, _job_choices, _job_gpus, _job_memory, _job_sizes, _job_timing, _job_delivery, _job_container, _job_gate,
+    _job_dangers,
 )
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 from .. import __version__, cmd
 from .. import config as config_mod
 from ..context import Context
-from ..errors import BundleError, environment_problem, is_environment
+from ..errors import BundleError, ToolMismatch, environment_problem, is_environment
+from ..fingerprint import tool_fingerprint
 from ..progress import Progress
 from .build import BUILD
 from .command import COMMON_CODES, MEANINGS, Command, add_common, rows
@@ -62,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument(
+        "--require-tool",
+        metavar="FINGERPRINT",
+        help="run only if this sm12x-bundle's fingerprint (version and sha256 of its files and series) is "
+        "FINGERPRINT, else exit 13 before anything runs; a gated Nomad job's gate passes the fingerprint of "
+        "the sm12x-bundle that rendered the job",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in COMMANDS:
         p = sub.add_parser(
@@ -75,6 +83,25 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_arguments(p)
         p.set_defaults(run=command.run, command_parser=p)
     return parser
+
+
+def require_tool(argv: Sequence[str] | None) -> None:
+    """``--require-tool FINGERPRINT``, checked before the rest of the command line: a checkout
+    of another version may not know the command's options, and would name those instead."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    names = {c.name for c in COMMANDS}
+    head = argv[: next((i for i, a in enumerate(argv) if a in names), len(argv))]
+    pre = argparse.ArgumentParser(prog="sm12x-bundle", add_help=False, allow_abbrev=False)
+    pre.add_argument("--require-tool")
+    required = pre.parse_known_args(head)[0].require_tool
+    if required is None:
+        return
+    ours = tool_fingerprint()
+    if required != ours:
+        raise ToolMismatch(
+            f"this sm12x-bundle is {ours}, but the job was rendered by {required}: mount a checkout of the "
+            "sm12x-bundle that rendered the job, or render the job again with this one"
+        )
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
@@ -126,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # A malformed command line exits 2 here, before anything runs; a report path this
         # machine will not let us write raises EnvironmentProblem (exit 12), also before.
+        require_tool(argv)
         args = parse_args(parser, argv)
         config = config_mod.load(args.config)
         progress = Progress.quiet() if args.quiet else Progress.stderr()

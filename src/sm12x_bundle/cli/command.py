@@ -35,6 +35,8 @@ MEANINGS = {
     12: "this machine stands in the way: a path it cannot read or write (a read-only or full file "
     "system, permissions, /proc or /sys), something other than a folder where one must be, or a "
     "compiler or header a step needs is missing (the message names the path or the tool)",
+    13: "--require-tool: this sm12x-bundle is not the one that rendered the job (the message names both "
+    "fingerprints); nothing ran",
     20: "check: some patch conflicts",
 }
 # Every command can exit 0, 2 (the command line, or a bug), 3 (the configuration) and 12

@@ -136,6 +136,13 @@ class JobConfig:
     env: dict[str, str] = field(default_factory=dict)
     # Read-only host folders (model weights): container path -> host path.
     host_mounts: dict[str, str] = field(default_factory=dict)
+    # What the operator means although it is refused by default (docs/configuration.md,
+    # "Dangerous job values"): host paths of host_mounts (or gate_tool_dir) inside, or above,
+    # the host's system folders and Docker's socket; container paths of host_mounts over the
+    # container's system folders; env names that pick GPUs or change what is loaded.
+    allow_host_mounts: tuple[str, ...] = ()
+    allow_mount_targets: tuple[str, ...] = ()
+    allow_env: tuple[str, ...] = ()
     # "host": bind-mount the overlay files from overlay_host_dir on the client;
     # "artifact": fetch them from artifact_base_url with a checksum, then bind-mount.
     overlay_delivery: str = "host"

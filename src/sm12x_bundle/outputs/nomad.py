@@ -29,6 +29,7 @@ from urllib.parse import quote
 
 from ..config import Config, JobConfig
 from ..errors import ConfigError, VerifyError
+from ..fingerprint import tool_fingerprint
 from ..fsutil import Destination, write_files
 from ..jobs import (
     GATE_TOOL_MOUNT,
@@ -210,8 +211,9 @@ class JobSpec:
         return self.job.gpu_allocation == "shared"
 
 
-def plan_job(config: Config, job: JobConfig, manifest: Mapping) -> JobSpec:
-    """Resolve one job against its target and overlay manifest; raise before anything is written."""
+def plan_job(config: Config, job: JobConfig, manifest: Mapping, tool: str | None = None) -> JobSpec:
+    """Resolve one job against its target and overlay manifest; raise before anything is written.
+    ``tool``: the fingerprint a gate requires (None: this sm12x-bundle's own)."""
     where = f"{config.origin}: job {job.name!r}"
     budget = check_budget(job, where)
     check_manifest(manifest, f"{where}: target {job.target!r}")
@@ -226,7 +228,7 @@ def plan_job(config: Config, job: JobConfig, manifest: Mapping) -> JobSpec:
     mounts = sorted(mounts + _cache_and_host_mounts(job), key=lambda m: m.target)
     _check_unique_targets(mounts, where)
     env = tuple(sorted({**job.env, **managed_env(job)}.items()))
-    gate = plan_gate(job, manifest, env, mounts, where)
+    gate = plan_gate(job, manifest, env, mounts, where, tool)
     host_ram = check_host_ram(node_peers(config.jobs, job), where)
     return JobSpec(
         job=job,
@@ -247,9 +249,11 @@ def plan_job(config: Config, job: JobConfig, manifest: Mapping) -> JobSpec:
     )
 
 
-def plan_gate(job: JobConfig, manifest: Mapping, env: tuple, mounts: list[Mount], where: str) -> Gate | None:
+def plan_gate(job: JobConfig, manifest: Mapping, env: tuple, mounts: list[Mount], where: str,
+              tool: str | None = None) -> Gate | None:
     """The rollout gate of a job that asks for one: the check runs with the main task's
-    interpreter (entrypoint[0], the Python whose vLLM the overlays patch), env and mounts."""
+    interpreter (entrypoint[0], the Python whose vLLM the overlays patch), env and mounts, and
+    only with the sm12x-bundle that rendered the job (``tool``, None: this one's fingerprint)."""
     if job.gate == "none":
         return None
     gate_mounts = sorted([*mounts, Mount(job.gate_tool_dir, GATE_TOOL_MOUNT)], key=lambda m: m.target)
@@ -257,18 +261,21 @@ def plan_gate(job: JobConfig, manifest: Mapping, env: tuple, mounts: list[Mount]
     return Gate(
         kind=job.gate,
         entrypoint=(job.entrypoint[0], "-m", "sm12x_bundle"),
-        args=gate_args(job.gate, manifest, where),
+        args=("--require-tool", tool or tool_fingerprint(), *gate_args(job, manifest, where)),
         env=tuple(sorted({**dict(env), **gate_env()}.items())),
         mounts=tuple(gate_mounts),
     )
 
 
-def gate_args(kind: str, manifest: Mapping, where: str) -> tuple[str, ...]:
-    """The check's command line. The engine check is held to the release the overlay was made
-    for (--lane): an image of another release fails the gate instead of testing the wrong code."""
-    if kind == "allocator":
+def gate_args(job: JobConfig, manifest: Mapping, where: str) -> tuple[str, ...]:
+    """The check's command line (after the global options). The engine check is held to the
+    release the overlay was made for (--lane): an image of another release fails the gate instead
+    of testing the wrong code; it gets the job's tensor_parallel_size and each of its extra_args
+    (--vllm-arg=ARG, one token each), and decides which it can pass to its own small model."""
+    if job.gate == "allocator":
         return ("selftest", "--installed", "--scenario", ",".join(GATE_ALLOCATOR_SCENARIOS))
-    return ("engine-check", "--installed", "--quick", "--lane", _overlay_release(manifest, where))
+    lane = ("--lane", _overlay_release(manifest, where), "--tp", str(job.tensor_parallel_size))
+    return ("engine-check", "--installed", "--quick", *lane, *(f"--vllm-arg={arg}" for arg in job.extra_args))
 
 
 def _overlay_release(manifest: Mapping, where: str) -> str:
@@ -355,7 +362,7 @@ def _notes(job: JobConfig, manifest: Mapping, budget: Budget, host_ram: HostRam 
     if job.gpu_allocation == "shared":
         notes.append('  the "nvidia" docker runtime, and these GPUs in the nvidia plugin\'s ignored_gpu_ids')
     if gate:
-        notes.append(f"  a checkout of sm12x-bundle (src/ and patches/) at {job.gate_tool_dir}, for the gate")
+        notes.append(f"  a checkout of the sm12x-bundle that rendered this job (src/ and patches/) at {job.gate_tool_dir}, for the gate")
     return tuple(notes)
 
 
@@ -369,8 +376,9 @@ def _gate_notes(gate: Gate | None) -> list[str]:
     if gate is None:
         return []
     return [
-        f"Rollout gate: task \"{GATE_TASK}\" runs 'sm12x-bundle {' '.join(gate.args)}' before vLLM starts;",
+        f"Rollout gate: task \"{GATE_TASK}\" runs 'sm12x-bundle {' '.join(gate.args[2:])}' before vLLM starts;",
         "  if it fails, the allocation fails, and auto_revert goes back to the last stable version (nomad/README.md).",
+        f"  It runs only with the sm12x-bundle that rendered this job ({gate.args[1]}): another exits 13.",
     ]
 
 
@@ -630,8 +638,9 @@ def _hcl_constraint(c: Constraint) -> hcl.Block:
 # --- render and write -----------------------------------------------------------
 
 
-def render_jobs(config: Config, manifests: Mapping[str, Mapping]) -> dict[str, bytes]:
-    """Every job of the config as {file name: bytes}. Pure; raises before anything is written."""
+def render_jobs(config: Config, manifests: Mapping[str, Mapping], tool: str | None = None) -> dict[str, bytes]:
+    """Every job of the config as {file name: bytes}. Pure; raises before anything is written.
+    ``tool``: the fingerprint the gates require (None: this sm12x-bundle's own)."""
     files: dict[str, bytes] = {}
     for job in config.jobs:
         if job.target not in manifests:
@@ -639,7 +648,7 @@ def render_jobs(config: Config, manifests: Mapping[str, Mapping]) -> dict[str, b
                 f"{config.origin}: job {job.name!r}: no overlay manifest for target {job.target!r}: "
                 "run 'sm12x-bundle overlay' first"
             )
-        spec = plan_job(config, job, manifests[job.target])
+        spec = plan_job(config, job, manifests[job.target], tool)
         hcl, api = spec_names([job])
         files[hcl] = _parsed_back(hcl, hcl_text(spec)).encode()
         files[api] = api_json_text(spec).encode()

@@ -4,6 +4,7 @@
 # Host RAM budget: not checked (no host_ram_gib for this job's node).
 # Rollout gate: task "gate" runs 'sm12x-bundle selftest --installed --scenario inflight-free,stale-error,double-wake,failing-sleep' before vLLM starts;
 #   if it fails, the allocation fails, and auto_revert goes back to the last stable version (nomad/README.md).
+#   It runs only with the sm12x-bundle that rendered this job (0.0.0/sha256:0000000000000000000000000000000000000000000000000000000000000000): another exits 13.
 # Nomad deploys this job alone: nothing orders it against its rotation peer. Walk the rotation:
 #   nomad job run this file, wait until 'nomad job status allocator-gated-job' (or GET /v1/job/allocator-gated-job/deployment)
 #   shows its latest deployment successful, POST /sleep to it, then the same for the next job.
@@ -11,7 +12,7 @@
 #   client { max_kill_timeout = "300s" } or more (the default 30s cuts kill_timeout short)
 #   plugin "docker" { config { volumes { enabled = true } } } (host-path bind mounts)
 #   the "nvidia" docker runtime, and these GPUs in the nvidia plugin's ignored_gpu_ids
-#   a checkout of sm12x-bundle (src/ and patches/) at /opt/sm12x-bundle/tool, for the gate
+#   a checkout of the sm12x-bundle that rendered this job (src/ and patches/) at /opt/sm12x-bundle/tool, for the gate
 job "allocator-gated-job" {
   type        = "service"
   datacenters = ["dc1"]
@@ -102,6 +103,7 @@ job "allocator-gated-job" {
           "-m", "sm12x_bundle",
         ]
         args            = [
+          "--require-tool", "0.0.0/sha256:0000000000000000000000000000000000000000000000000000000000000000",
           "selftest",
           "--installed",
           "--scenario", "inflight-free,stale-error,double-wake,failing-sleep",

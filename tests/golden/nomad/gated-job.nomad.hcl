@@ -2,8 +2,9 @@
 # Overlay 0123456789abcdef of target vllm-openai-v0.21.0: 2 files, host delivery.
 # GPU memory budget: 0.7 x 95 GiB (66.5 GiB cumem) + 22 GiB non-cumem + 4.8 GiB sleeping-peer residue = 93.3 GiB of 95 GiB.
 # Host RAM budget of this job's node: 96 GiB gated-job + 8 GiB margin = 104 GiB of 256 GiB.
-# Rollout gate: task "gate" runs 'sm12x-bundle engine-check --installed --quick --lane 0.21.0' before vLLM starts;
+# Rollout gate: task "gate" runs 'sm12x-bundle engine-check --installed --quick --lane 0.21.0 --tp 4 --vllm-arg=--max-num-seqs --vllm-arg=12 --vllm-arg=--enforce-eager' before vLLM starts;
 #   if it fails, the allocation fails, and auto_revert goes back to the last stable version (nomad/README.md).
+#   It runs only with the sm12x-bundle that rendered this job (0.0.0/sha256:0000000000000000000000000000000000000000000000000000000000000000): another exits 13.
 # Nomad deploys this job alone: nothing orders it against its rotation peer. Walk the rotation:
 #   nomad job run this file, wait until 'nomad job status gated-job' (or GET /v1/job/gated-job/deployment)
 #   shows its latest deployment successful, POST /sleep to it, then the same for the next job.
@@ -11,7 +12,7 @@
 #   client { max_kill_timeout = "300s" } or more (the default 30s cuts kill_timeout short)
 #   plugin "docker" { config { volumes { enabled = true } } } (host-path bind mounts)
 #   the "nvidia" docker runtime, and these GPUs in the nvidia plugin's ignored_gpu_ids
-#   a checkout of sm12x-bundle (src/ and patches/) at /opt/sm12x-bundle/tool, for the gate
+#   a checkout of the sm12x-bundle that rendered this job (src/ and patches/) at /opt/sm12x-bundle/tool, for the gate
 job "gated-job" {
   type        = "service"
   datacenters = ["dc1"]
@@ -102,10 +103,15 @@ job "gated-job" {
           "-m", "sm12x_bundle",
         ]
         args            = [
+          "--require-tool", "0.0.0/sha256:0000000000000000000000000000000000000000000000000000000000000000",
           "engine-check",
           "--installed",
           "--quick",
           "--lane", "0.21.0",
+          "--tp", "4",
+          "--vllm-arg=--max-num-seqs",
+          "--vllm-arg=12",
+          "--vllm-arg=--enforce-eager",
         ]
         readonly_rootfs = true
         shm_size        = 17179869184
@@ -188,6 +194,8 @@ job "gated-job" {
           "--tensor-parallel-size", "4",
           "--gpu-memory-utilization", "0.7",
           "--enable-sleep-mode",
+          "--max-num-seqs", "12",
+          "--enforce-eager",
         ]
         ports           = ["http"]
         readonly_rootfs = true
