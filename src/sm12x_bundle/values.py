@@ -42,11 +42,12 @@ _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _UNSAFE_CATEGORIES = ("Cc", "Cf", "Zl", "Zp")
 
 
-def control_problem(value: str) -> str | None:
+def control_problem(value: str, allowed: str = "") -> str | None:
     """Every string of a config reaches a generated file (HCL, API JSON, a Dockerfile, a
-    shell line) or a path: none may hold a control or invisible formatting character."""
+    shell line) or a path: none may hold a control or invisible formatting character
+    (``allowed``: those a value that only ever becomes a quoted string may hold)."""
     for i, char in enumerate(value):
-        if unicodedata.category(char) in _UNSAFE_CATEGORIES:
+        if unicodedata.category(char) in _UNSAFE_CATEGORIES and char not in allowed:
             return (
                 f"must not hold a control or invisible formatting character ({char!r} at position {i}): "
                 "it would change what the generated HCL, JSON or Dockerfile says"

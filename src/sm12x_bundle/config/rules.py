@@ -6,6 +6,7 @@ is fetched or written. The jobs' rules live in jobs.py, beside the Nomad rendere
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterator
 
 from .. import inputs
@@ -53,17 +54,25 @@ def validate(config: Config, lines: dict[str, int]) -> None:
 
 def _check_every_value(config: Config, at: Where) -> None:
     """One rule for every value of every section, before the checks of each key: no string
-    (a dict's keys too) holds a control character, and every number is one Nomad and the
-    generated files can hold (values.number_problem)."""
-    for key, value in _values(config, ""):
+    (a mapping's keys too) holds a control character, and every number is one Nomad and the
+    generated files can hold (values.number_problem). An env value or an extra argument only
+    ever becomes a quoted HCL or JSON string, which escapes a newline or tab: those two may
+    hold them (a PEM certificate, a JSON document)."""
+    for key, value, is_name in _values(config, ""):
         if isinstance(value, str):
-            at.check(key, control_problem(value))
+            allowed = "\n\r\t" if not is_name and _QUOTED_ONLY.fullmatch(key) else ""
+            at.check(key, control_problem(value, allowed))
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             at.check(key, number_problem(key, value))
 
 
-def _values(node: object, key: str) -> Iterator[tuple[str, object]]:
-    """(key path as reading.py names it, value) for every leaf, a mapping's keys included."""
+# jobs[N].env.NAME's value (not its name) and jobs[N].extra_args[I].
+_QUOTED_ONLY = re.compile(r"jobs\[\d+\]\.(env\..*|extra_args\[\d+\])")
+
+
+def _values(node: object, key: str) -> Iterator[tuple[str, object, bool]]:
+    """(key path as reading.py names it, value, whether it is a mapping's key) for every leaf
+    and every mapping's key."""
     if dataclasses.is_dataclass(node):
         for f in dataclasses.fields(node):
             if f.name not in ("origin", "base_dir"):
@@ -73,10 +82,10 @@ def _values(node: object, key: str) -> Iterator[tuple[str, object]]:
             yield from _values(item, f"{key}[{i}]")
     elif isinstance(node, dict):
         for name, item in node.items():
-            yield f"{key}.{name}", name
+            yield f"{key}.{name}", name, True
             yield from _values(item, f"{key}.{name}")
     else:
-        yield key, node
+        yield key, node, False
 
 
 def _check_lanes(config: Config, at: Where) -> None:

@@ -507,7 +507,7 @@ def api_json_text(spec: JobSpec) -> str:
 
 def hcl_text(spec: JobSpec) -> str:
     """The job as HCL2 that `nomad fmt` would leave alone (attributes aligned)."""
-    header = [f"# {line}".rstrip() for line in spec.notes]
+    header = [hcl.comment(line) for line in spec.notes]
     return "\n".join(header + hcl.text(_hcl_job(spec))) + "\n"
 
 
