@@ -55,6 +55,11 @@ def control_problem(value: str, allowed: str = "") -> str | None:
     return None
 
 
+def _printable(key: str) -> str:
+    """A key path as one line: a mapping's key may hold what control_problem refuses."""
+    return "".join(repr(c)[1:-1] if unicodedata.category(c) in _UNSAFE_CATEGORIES else c for c in key)
+
+
 def shell_line_problem(value: str) -> str | None:
     """A shell line that becomes one Dockerfile RUN instruction (image.builder_setup): one
     line, not continued into the template's next instruction, no heredoc."""
@@ -171,7 +176,7 @@ class Where:
         return 1
 
     def fail(self, key: str, problem: str) -> typing.NoReturn:
-        raise ConfigError(f"{self.origin}:{self.line(key)}: {key}: {problem}")
+        raise ConfigError(f"{self.origin}:{self.line(key)}: {_printable(key)}: {problem}")
 
     def check(self, key: str, problem: str | None) -> None:
         if problem:
