@@ -334,3 +334,13 @@ def test_a_word_cannot_hold_a_line_break_or_control(value):
             quote(value)
     with pytest.raises(ConfigError, match="control or line-separator character"):
         dockerfile.render("Dockerfile.builder", {"BUILDER_BASE": "x", "BUILDER_SETUP": Step(None, "c"), "CUDA_HOME": value})
+
+
+def test_a_manifest_path_with_a_newline_is_refused(workdir, capsys):
+    """An overlay manifest (--manifest) is input too: its paths reach both files."""
+    manifest = json.loads(MANIFEST)
+    manifest["files"][0]["container_path"] += "\n"
+    (workdir / "manifest.json").write_text(json.dumps(manifest))
+    assert run_nomad(workdir) == 3
+    assert "files[0].container_path must not hold a control or invisible formatting character" in capsys.readouterr().err
+    assert not (workdir / "out").exists()

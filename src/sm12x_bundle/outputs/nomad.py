@@ -42,7 +42,7 @@ from ..jobs import (
     node_peers,
     number,
 )
-from ..values import version_problem
+from ..values import absolute_problem, version_problem
 from . import hcl, jobview
 
 GROUP = "vllm"
@@ -89,8 +89,9 @@ _NS = 1_000_000_000
 
 
 def _absolute(path: str, what: str) -> None:
-    if not path.startswith("/") or posixpath.normpath(path) != path:
-        raise ConfigError(f"{what} must be a normalised absolute path, not {path!r}")
+    problem = absolute_problem(path)  # a control character too: the path reaches both files
+    if problem:
+        raise ConfigError(f"{what} {problem}")
 
 
 # --- overlay manifests ----------------------------------------------------------
