@@ -203,7 +203,7 @@ ROWS = [
     ("cfg-image-digest-malformed", DRY, cfg("image.base_digest", "  tag: sm12x-bundle:0.21.0\n", "  tag: sm12x-bundle:0.21.0\n  base_digest: sha256:abc\n", "  base_digest: sha256:abc"), 3, "must be a registry digest"),
     ("cfg-image-tag-malformed", DRY, cfg("image.tag", "  tag: sm12x-bundle:0.21.0", "  tag: sm12x bundle"), 3, "must be an image reference"),
     ("image-source-url-no-scheme", DRY, cfg("image.source_url", "source_url: https://example.invalid/sm12x-bundle", "source_url: example.invalid/sm12x-bundle"), 3, "must be a URL starting with http:// or https://"),
-    ("image-revision-two-lines", DRY, cfg("image.revision", "  cuda_home: /usr/local/cuda\n", '  cuda_home: /usr/local/cuda\n  revision: "a\\nb"\n', '  revision: "a\\nb"'), 3, "must be one line, not 'a\\nb'"),
+    ("image-revision-two-lines", DRY, cfg("image.revision", "  cuda_home: /usr/local/cuda\n", '  cuda_home: /usr/local/cuda\n  revision: "a\\nb"\n', '  revision: "a\\nb"'), 3, "must not hold a control or invisible formatting character ('\\n' at position 1)"),
     ("image-cuda-home-relative", DRY, cfg("image.cuda_home", "cuda_home: /usr/local/cuda", "cuda_home: cuda"), 3, "must be a normalised absolute path"),
     ("lanes-with-pin", DRY, cfg("pin", "check:\n", LANES + "check:\n", "pin:"), 3, "'pin:' is the one-lane form"),
     ("lanes-duplicate", DRY, cfg("lanes[1].version", PIN, LANES.replace('"0.33.0"', '"0.21.0"'), '- version: "0.21.0"'), 3, "lane versions must be unique"),

@@ -342,8 +342,8 @@ def test_label_values_survive_dockerfile_quoting(ctx):
     plan = image.plan_bundle(cfg, fake_target(ctx), ctx.source(), fake_base(ctx), EPOCH)
     labels = dockerfile_labels(image.bundle_dockerfile(plan))
     assert labels == plan.labels and labels["org.opencontainers.image.source"] == nasty
-    with pytest.raises(ConfigError, match="newline"):
-        image._quoted("two\nlines")
+    with pytest.raises(ConfigError, match="control or line-separator character"):
+        dockerfile.label_word("two\nlines")
 
 
 def test_template_fields_must_all_be_filled():

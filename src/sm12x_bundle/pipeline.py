@@ -96,7 +96,7 @@ def _nomad(run: Run) -> str:
     files = nomad.render_jobs(config, nomad.find_manifests(config))
     dest = run.out / "nomad"
     nomad.write_jobs(files, dest, run.force)
-    return f"Nomad specs in {dest}: {len(config.jobs)} jobs, HCL parsed back, memory budgets fit"
+    return f"Nomad specs in {dest}: {len(config.jobs)} jobs, HCL and JSON read back as the same job, memory budgets fit"
 
 
 def _image(run: Run) -> str:

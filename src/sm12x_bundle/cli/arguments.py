@@ -50,6 +50,7 @@ digest = _from(values.digest_problem)
 absolute_path = _from(values.absolute_problem)
 text = _from(values.text_problem)
 line = _from(values.line_problem)
+shell_line = _from(values.shell_line_problem)
 folder_name = _from(values.folder_name_problem)
 
 

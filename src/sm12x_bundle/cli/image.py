@@ -80,7 +80,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
                    help="org.opencontainers.image.revision (default: the series sha256)")
     p.add_argument("--builder-base", type=arguments.image_ref, metavar="IMAGE",
                    help="image the extension is built in (default: the base)")
-    p.add_argument("--builder-setup", type=arguments.line, metavar="SHELL", help="shell line run in the builder before compiling")
+    p.add_argument("--builder-setup", type=arguments.shell_line, metavar="SHELL", help="shell line run in the builder before compiling")
     p.add_argument("--out", metavar="DIR", help="where the build contexts go (default: <output.dir>/image)")
     p.add_argument("--push", action="store_true", help="push the tag after the check passes")
     p.add_argument("--dry-run", action="store_true", help="print the Dockerfiles and build contexts; ask no daemon")

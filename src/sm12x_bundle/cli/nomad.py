@@ -22,7 +22,7 @@ def run(ctx: Context, args: argparse.Namespace) -> int:
     for path, changed in write_jobs(files, out, args.force):
         print(f"{path}{'' if changed else ' (unchanged)'}")
     print(
-        f"{len(config.jobs)} job(s): memory budget fits, HCL parsed back; "
+        f"{len(config.jobs)} job(s): memory budget fits, HCL and JSON read back as the same job; "
         "not submitted (no Nomad here: run 'nomad job validate' on a cluster). Nomad deploys each job on "
         "its own: run one, wait until 'nomad job status JOB' shows its deployment successful, then the next"
     )
@@ -47,5 +47,5 @@ NOMAD = Command(
     "example: sm12x-bundle nomad --manifest nomad/example-manifest.json --out nomad",
     _arguments,
     run,
-    {9: "the generated HCL does not parse back (a bug in sm12x-bundle)", 11: None},
+    {9: "the generated HCL and API JSON do not read back as the same job (a bug in sm12x-bundle; nothing written)", 11: None},
 )

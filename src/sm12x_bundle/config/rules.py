@@ -5,16 +5,23 @@ is fetched or written. The jobs' rules live in jobs.py, beside the Nomad rendere
 
 from __future__ import annotations
 
+import dataclasses
+import re
+from collections.abc import Iterator
+
 from .. import inputs
 from ..jobs import check_jobs
 from ..values import (
     Where,
     absolute_problem,
+    control_problem,
     digest_problem,
     folder_name_problem,
     image_problem,
     line_problem,
+    number_problem,
     sha256_problem,
+    shell_line_problem,
     text_problem,
     url_problem,
     version_problem,
@@ -25,6 +32,7 @@ from .model import Config, ImageConfig, LaneConfig, PinConfig, TargetConfig
 def validate(config: Config, lines: dict[str, int]) -> None:
     """Refuse the first value that a later step would refuse, naming file:line:key."""
     at = Where(config.origin, lines)
+    _check_every_value(config, at)
     if "lanes" in lines:
         _check_lanes(config, at)
     else:
@@ -42,6 +50,42 @@ def validate(config: Config, lines: dict[str, int]) -> None:
     _check_targets(config.targets, config.lanes, at)
     _check_image(config.image, at)
     check_jobs(config.jobs, [t.name for t in config.targets], at)
+
+
+def _check_every_value(config: Config, at: Where) -> None:
+    """One rule for every value of every section, before the checks of each key: no string
+    (a mapping's keys too) holds a control character, and every number is one Nomad and the
+    generated files can hold (values.number_problem). An env value or an extra argument only
+    ever becomes a quoted HCL or JSON string, which escapes a newline or tab: those two may
+    hold them (a PEM certificate, a JSON document)."""
+    for key, value, is_name in _values(config, ""):
+        if isinstance(value, str):
+            allowed = "\n\r\t" if not is_name and _QUOTED_ONLY.fullmatch(key) else ""
+            at.check(key, control_problem(value, allowed))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            at.check(key, number_problem(key, value))
+
+
+# jobs[N].env.NAME's value (not its name) and jobs[N].extra_args[I].
+_QUOTED_ONLY = re.compile(r"jobs\[\d+\]\.(env\..*|extra_args\[\d+\])")
+
+
+def _values(node: object, key: str) -> Iterator[tuple[str, object, bool]]:
+    """(key path as reading.py names it, value, whether it is a mapping's key) for every leaf
+    and every mapping's key."""
+    if dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            if f.name not in ("origin", "base_dir"):
+                yield from _values(getattr(node, f.name), f"{key}.{f.name}" if key else f.name)
+    elif isinstance(node, tuple):
+        for i, item in enumerate(node):
+            yield from _values(item, f"{key}[{i}]")
+    elif isinstance(node, dict):
+        for name, item in node.items():
+            yield f"{key}.{name}", name, True
+            yield from _values(item, f"{key}.{name}")
+    else:
+        yield key, node, False
 
 
 def _check_lanes(config: Config, at: Where) -> None:
@@ -123,9 +167,10 @@ def _check_image(image: ImageConfig, at: Where) -> None:
     if image.root is not None:
         at.check("image.root", absolute_problem(image.root))
     at.check("image.source_url", line_problem(image.source_url) or url_problem(image.source_url, ("http", "https")))
-    for key in ("revision", "builder_setup"):
-        if getattr(image, key) is not None:
-            at.check(f"image.{key}", line_problem(getattr(image, key)))
+    if image.revision is not None:
+        at.check("image.revision", line_problem(image.revision))
+    if image.builder_setup is not None:
+        at.check("image.builder_setup", shell_line_problem(image.builder_setup))
     if image.builder_base is not None:
         at.check("image.builder_base", image_problem(image.builder_base))
     at.check("image.cuda_home", absolute_problem(image.cuda_home))

@@ -1,12 +1,19 @@
 """HCL2 text from a tree of blocks, attributes and comments, as `nomad fmt` would leave it
 (attributes aligned on '=', blocks and runs of attributes apart by one blank line). What a
 Nomad job holds is outputs/nomad.py's; how it is spelled in HCL is here.
+
+Every value reaches the text through :func:`string` (a quoted string that decodes to exactly
+the value) or :func:`comment` (a line comment that ends where it says); nothing is pasted.
+:func:`literal` is string's inverse, for reading back what was written.
 """
 
 from __future__ import annotations
 
 import re
+import unicodedata
 from dataclasses import dataclass, field
+
+from ..errors import ConfigError
 
 
 @dataclass
@@ -51,10 +58,19 @@ def _body_lines(items: list, depth: int) -> list[str]:
     return out
 
 
+def comment(text: str) -> str:
+    """A ``#`` line comment holding ``text``: a newline would end it and make the rest HCL, so
+    a control, line-separator or invisible formatting character is refused (config/ refuses
+    them in every value first; this is the writer's own guard)."""
+    if any(unicodedata.category(c) in _UNSAFE for c in text):
+        raise ConfigError(f"an HCL comment cannot hold a control or line-separator character: {text!r}")
+    return f"# {text}".rstrip()
+
+
 def _item_lines(item: object, depth: int, width: int) -> list[str]:
     pad = "  " * depth
     if isinstance(item, Comment):
-        return [f"{pad}# {item.text}"]
+        return [pad + comment(item.text)]
     if isinstance(item, Block):
         return _lines(item, depth)
     name, value = item  # type: ignore[misc]
@@ -86,12 +102,50 @@ def _hcl_value(value: object) -> str:
     return string(str(value))
 
 
-# Nomad interpolates these at run time, in HCL and JSON alike; any other "${" is escaped so
-# that the HCL decodes to exactly the JSON's string.
-_RUNTIME = re.compile(r"\$\{(?!(?:node|attr|meta|device)\.[A-Za-z0-9_.\-]+\}|NOMAD_[A-Za-z0-9_]+\})")
+# Nomad's runtime variables: an HCL2 job file leaves "${node.unique.name}" unevaluated, and
+# Nomad fills it in when it places the task, as it does for the same text in the API JSON.
+# Written as they are, so the HCL reads as Nomad's docs write it.
+_RUNTIME = re.compile(r"\$\{(?:(?:node|attr|meta|device)\.[A-Za-z0-9_.\-]+|NOMAD_[A-Za-z0-9_]+)\}")
+_UNSAFE = ("Cc", "Cf", "Zl", "Zp")
+_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
 def string(s: str) -> str:
-    s = s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
-    s = _RUNTIME.sub("$${", s.replace("%{", "%%{"))
-    return f'"{s}"'
+    """A quoted HCL string that decodes to exactly ``s``, the API JSON's string: quotes,
+    backslashes and controls escaped; "%{" and every "${" but a runtime variable's doubled
+    (HCL's escape for a literal); a runtime variable right after a "$" doubled too, or the
+    two would read as the escape "$${"."""
+    out = "".join(_ESCAPES.get(c) or (_unicode_escape(c) if unicodedata.category(c) in _UNSAFE else c) for c in s)
+    out = out.replace("%{", "%%{")
+    return '"' + re.sub(r"\$\{", lambda m: _interpolation(out, m.start()), out) + '"'
+
+
+def _interpolation(s: str, at: int) -> str:
+    runtime = _RUNTIME.match(s, at) and not (at and s[at - 1] == "$")
+    return "${" if runtime else "$${"
+
+
+def _unicode_escape(c: str) -> str:
+    return f"\\u{ord(c):04x}" if ord(c) < 0x10000 else f"\\U{ord(c):08x}"
+
+
+def literal(s: str) -> str:
+    """What a string that python-hcl2 read (backslash escapes decoded, template escapes kept)
+    means to Nomad: "$${" and "%%{" are a literal "${" and "%{" (HCL's scanner takes the
+    longest match, left to right); a runtime variable stays as it is. Any other interpolation
+    or a template directive is refused: the tool never writes one."""
+    out, i = [], 0
+    while i < len(s):
+        if s.startswith(("$${", "%%{"), i):
+            out.append(s[i + 1 : i + 3])
+            i += 3
+        elif s.startswith("${", i) and _RUNTIME.match(s, i):
+            end = _RUNTIME.match(s, i).end()  # type: ignore[union-attr]
+            out.append(s[i:end])
+            i = end
+        elif s.startswith(("${", "%{"), i):
+            raise ValueError(f"an interpolation or directive the writer never makes: {s!r}")
+        else:
+            out.append(s[i])
+            i += 1
+    return "".join(out)

@@ -21,7 +21,6 @@ import dataclasses
 import json
 import os
 import re
-import shlex
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -42,10 +41,13 @@ from ..source.pin import SourceTree
 from . import native_build
 from .dockerfile import (
     ContextFiles,
-    fill,
+    Step,
+    Words,
     from_reference,
+    label_word,
     pin_locally,
-    template,
+    render,
+    shell_word,
     write_context,
 )
 from .manifest import manifest as manifest_document
@@ -242,36 +244,25 @@ def plan_bundle(
 # --- rendering -----------------------------------------------------------------------
 
 
-def _quoted(value: str) -> str:
-    """A Dockerfile double-quoted word that stays exactly ``value`` (no $ expansion)."""
-    if "\n" in value:
-        raise ConfigError(f"a label value cannot hold a newline: {value!r}")
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$") + '"'
-
-
-def _continued(items: list[str]) -> str:
-    return " \\\n      ".join(items)
-
-
-def _drop_stale_bytecode(plan: BundlePlan) -> str:
+def _drop_stale_bytecode(plan: BundlePlan) -> Step:
     """A RUN step only when the base holds bytecode of a patched module (each one costs)."""
     if plan.side.bytecode is None:
-        return "# (decided when the base is inspected: a dry run does not look)"
-    stale = sorted(pyc for f in plan.files for pyc in plan.side.bytecode.get(f.path, ()))
+        return Step(None, "(decided when the base is inspected: a dry run does not look)")
+    stale = [shell_word(pyc) for pyc in sorted(pyc for f in plan.files for pyc in plan.side.bytecode.get(f.path, ()))]
     if not stale:
-        return "# (no step: the base holds no bytecode of the patched modules)"
-    return "RUN rm -f " + _continued([shlex.quote(p) for p in stale])
+        return Step(None, "(no step: the base holds no bytecode of the patched modules)")
+    return Step("RUN", Words((f"rm -f {stale[0]}", *stale[1:])))
 
 
 def bundle_dockerfile(plan: BundlePlan) -> str:
-    return fill(
-        template("Dockerfile.bundle"),
+    return render(
+        "Dockerfile.bundle",
         {
             "BASE": from_reference(plan.base.ref),
             "BASE_NAME": plan.base.name,
             "DOC_DIR": DOC_DIR,
             "DROP_STALE_BYTECODE": _drop_stale_bytecode(plan),
-            "LABELS": _continued([f"{k}={_quoted(v)}" for k, v in plan.labels.items()]),
+            "LABELS": Words(tuple(f"{k}={label_word(v)}" for k, v in plan.labels.items())),
         },
     )
 

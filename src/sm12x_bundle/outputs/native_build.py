@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import enum
 import re
-import shlex
 import shutil
 import sysconfig
 from collections.abc import Mapping, Sequence
@@ -43,11 +42,12 @@ from ..plan.target import built_on_host
 from ..progress import Progress
 from .dockerfile import (
     ContextFiles,
+    Step,
     context_digest,
-    fill,
     from_reference,
     pin_locally,
-    template,
+    render,
+    shell_word,
     write_context,
 )
 
@@ -119,10 +119,10 @@ def preflight(
 
 
 def builder_dockerfile(builder: BuilderPlan) -> str:
-    setup = f"RUN {builder.setup}" if builder.setup else "# (no builder setup: the base has a compiler)"
-    return fill(
-        template("Dockerfile.builder"),
-        {"BUILDER_BASE": from_reference(builder.base), "BUILDER_SETUP": setup, "CUDA_HOME": shlex.quote(builder.cuda_home)},
+    setup = Step("RUN", builder.setup) if builder.setup else Step(None, "(no builder setup: the base has a compiler)")
+    return render(
+        "Dockerfile.builder",
+        {"BUILDER_BASE": from_reference(builder.base), "BUILDER_SETUP": setup, "CUDA_HOME": shell_word(builder.cuda_home)},
     )
 
 

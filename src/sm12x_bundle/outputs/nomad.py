@@ -3,8 +3,9 @@
 Plan, then write. ``plan_job`` turns one job of the config and its target's overlay
 manifest into a :class:`JobSpec` (pure: no files, no clock). ``render_jobs`` renders
 every job as ``<job>.nomad.hcl`` (for people) and ``<job>.nomad.json`` (``{"Job": ...}``
-with the API's field names, for ``nomad job run -json`` and ``POST /v1/jobs``), parses
-each HCL file back, and only then returns; ``write_jobs`` writes the files atomically.
+with the API's field names, for ``nomad job run -json`` and ``POST /v1/jobs``), reads both
+back and refuses unless they describe the same job field by field (jobview.py), and only
+then returns; ``write_jobs`` writes the files atomically.
 The same config and manifests give the same bytes.
 
 Field names follow Nomad's ``api`` package (api/jobs.go, api/tasks.go, api/services.go,
@@ -42,8 +43,8 @@ from ..jobs import (
     node_peers,
     number,
 )
-from ..values import version_problem
-from . import hcl
+from ..values import absolute_problem, version_problem
+from . import hcl, jobview
 
 GROUP = "vllm"
 TASK = "vllm"
@@ -89,8 +90,9 @@ _NS = 1_000_000_000
 
 
 def _absolute(path: str, what: str) -> None:
-    if not path.startswith("/") or posixpath.normpath(path) != path:
-        raise ConfigError(f"{what} must be a normalised absolute path, not {path!r}")
+    problem = absolute_problem(path)  # a control character too: the path reaches both files
+    if problem:
+        raise ConfigError(f"{what} {problem}")
 
 
 # --- overlay manifests ----------------------------------------------------------
@@ -515,7 +517,7 @@ def api_json_text(spec: JobSpec) -> str:
 
 def hcl_text(spec: JobSpec) -> str:
     """The job as HCL2 that `nomad fmt` would leave alone (attributes aligned)."""
-    header = [f"# {line}".rstrip() for line in spec.notes]
+    header = [hcl.comment(line) for line in spec.notes]
     return "\n".join(header + hcl.text(_hcl_job(spec))) + "\n"
 
 
@@ -649,20 +651,11 @@ def render_jobs(config: Config, manifests: Mapping[str, Mapping], tool: str | No
                 "run 'sm12x-bundle overlay' first"
             )
         spec = plan_job(config, job, manifests[job.target], tool)
-        hcl, api = spec_names([job])
-        files[hcl] = _parsed_back(hcl, hcl_text(spec)).encode()
-        files[api] = api_json_text(spec).encode()
+        hcl_name, api_name = spec_names([job])
+        hcl_file, api_file = hcl_text(spec), api_json_text(spec)
+        jobview.same_job(hcl_name, hcl_file, api_file)  # both read back, field by field
+        files[hcl_name], files[api_name] = hcl_file.encode(), api_file.encode()
     return dict(sorted(files.items()))
-
-
-def _parsed_back(name: str, text: str) -> str:
-    import hcl2  # python-hcl2; imported here so the CLI starts fast
-
-    try:
-        hcl2.loads(text)
-    except Exception as exc:  # lark raises several types; any of them is our bug
-        raise VerifyError(f"{name}: the generated HCL does not parse back: {exc}") from None
-    return text
 
 
 def spec_names(jobs: Iterable[JobConfig]) -> tuple[str, ...]:
