@@ -24,6 +24,7 @@ from ..errors import BundleError, environment_problem, is_environment
 from ..progress import Progress
 from .build import BUILD
 from .command import COMMON_CODES, MEANINGS, Command, add_common, rows
+from .config_cmd import CONFIG
 from .engine_check import ENGINE_CHECK
 from .image import IMAGE
 from .nomad import NOMAD
@@ -32,7 +33,8 @@ from .patches import APPLY, CHECK, FETCH, SERIES
 from .selftest import SELFTEST
 
 # In the order --help lists them: the patches, the outputs, the proofs, the whole pipeline.
-COMMANDS: tuple[Command, ...] = (SERIES, CHECK, APPLY, FETCH, OVERLAY, IMAGE, NOMAD, SELFTEST, ENGINE_CHECK, BUILD)
+COMMANDS: tuple[Command, ...] = (SERIES, CHECK, APPLY, FETCH, OVERLAY, IMAGE, NOMAD, SELFTEST, ENGINE_CHECK, BUILD,
+                                 CONFIG)
 
 DESCRIPTION = """\
 Build a patched vLLM for consumer Blackwell (SM120/SM121) sleep-mode rotation pools.
