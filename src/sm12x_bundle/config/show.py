@@ -83,7 +83,8 @@ def _fields(value: Any, key: str, indent: str, src: _Sources) -> list[tuple[str,
 def render(config: Config, lines: dict[str, int]) -> str:
     """The effective ``config`` as YAML; ``lines``: where the document set each key
     (``config.load_located``)."""
-    rows = _fields(config, "", "", _Sources(config, lines))
+    sources = _Sources(config, lines)
+    rows = _fields(config, "", "", sources)
     width = max(len(text) for text, _ in rows) + 2
-    head = f"# the effective configuration, read from {_Sources(config, lines).where}\n"
+    head = f"# the effective configuration, read from {sources.where}\n"
     return head + "".join(f"{text:<{width}}# {where}\n" for text, where in rows)
