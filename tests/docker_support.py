@@ -4,8 +4,8 @@ Import the fixtures into a test module (``from docker_support import daemon,
 standin_official, ...``) and mark its tests ``@pytest.mark.docker``.
 
 No registry can be reached, so the tests build their own stand-ins of the vLLM
-images, once per daemon (the private daemon of .ci/dockerd.sh keeps its images in the
-sm12x cache, so later runs reuse them):
+images, once per session, and remove them at its end (below); the base's rootfs tarball
+stays in the sm12x cache, so a later session imports it instead of running debootstrap:
 
 - the base: Debian bookworm from ``debootstrap --variant=minbase`` with python3,
   Python.h and g++, trimmed (no docs, locales, LTO, sanitizers or static libraries:
@@ -31,6 +31,14 @@ sm12x cache, so later runs reuse them):
 
 Daemon tests skip, with the reason, when no daemon answers, unless
 SM12X_REQUIRE_DOCKER=1 (CI sets it): then they fail.
+
+Nothing stays behind: the stand-in base carries the label TEST_LABEL, so every image the
+tests build from it (the vLLM stand-ins, the builder and bundle images the tool builds from
+those, the tags the tests add) carries it too, and the ``daemon`` fixture's finalizer removes,
+at the end of the session, the stopped containers and the images that carry it (about 6 GB
+on the test daemon's vfs storage), and on the private daemon of scripts/test its build cache.
+SM12X_KEEP_TEST_IMAGES=1 keeps them, for a quicker next session. Images that lack the label,
+the operator's own among them, are never touched.
 """
 
 from __future__ import annotations
@@ -40,9 +48,11 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import docker
 import pytest
 
 from sm12x_bundle import cmd
@@ -70,6 +80,8 @@ RECIPE = "2"
 # The same for the vLLM stand-ins alone (a change here does not rebuild the base).
 VLLM_RECIPE = "2"
 REQUIRE = os.environ.get("SM12X_REQUIRE_DOCKER") == "1"
+# On the stand-in base, and so on every image built from it: what the session's end removes.
+TEST_LABEL = "org.sm12x-bundle.test-image"
 
 
 @dataclass(frozen=True)
@@ -191,11 +203,28 @@ def ensure_base(engine: DockerEngine) -> str:
     key = base_key()
     tag = f"sm12x-standin/base:{SUITE}-{key}"
     with locked(cache_dir(), f"standin-base-{key}"):
-        if not _has_image(engine, tag):
+        if not _has_image(engine, tag) or TEST_LABEL not in engine.image_labels(tag):
             tarball = base_tarball(key)
             repo, _, version = tag.partition(":")
-            engine.client.api.import_image(src=str(tarball), repository=repo, tag=version)
+            engine.client.api.import_image(src=str(tarball), repository=repo, tag=version,
+                                           changes=[f"LABEL {TEST_LABEL}=1"])
     return tag
+
+
+def remove_test_images(engine: DockerEngine, build_cache: bool = REQUIRE) -> list[str]:
+    """Remove the stopped containers and the images that carry TEST_LABEL, tagged or not;
+    with ``build_cache`` (the private daemon of scripts/test), the daemon's build cache too.
+    Returns the ids of the images removed."""
+    api = engine.client.api
+    only_ours = {"label": TEST_LABEL}
+    api.prune_containers(filters=only_ours)  # a container holds its image: first
+    removed = api.prune_images(filters={**only_ours, "dangling": False}).get("ImagesDeleted") or []
+    if build_cache:
+        try:
+            api.prune_builds()
+        except docker.errors.APIError:  # a daemon too old for the builder API holds no build cache
+            pass
+    return [entry["Deleted"] for entry in removed if "Deleted" in entry]
 
 
 # --- vLLM stand-ins -------------------------------------------------------------------
@@ -255,9 +284,13 @@ def ensure_vllm_standin(engine: DockerEngine, base: str, source: SourceTree, lay
 
 
 @pytest.fixture(scope="session")
-def daemon() -> DockerEngine:
-    """The Docker engine (DOCKER_HOST honoured); skips or fails when none answers."""
-    return engine_or_skip()
+def daemon() -> Iterator[DockerEngine]:
+    """The Docker engine (DOCKER_HOST honoured); skips or fails when none answers. At the
+    session's end, every image the tests built goes (``remove_test_images``)."""
+    engine = engine_or_skip()
+    yield engine
+    if os.environ.get("SM12X_KEEP_TEST_IMAGES") != "1":
+        remove_test_images(engine)
 
 
 @pytest.fixture(scope="session")

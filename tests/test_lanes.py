@@ -268,7 +268,7 @@ def test_apply_writes_the_first_lane_or_the_one_named(lanes):
 def test_build_plans_and_guards_one_tree_per_lane(lanes, capsys):
     assert main(["build", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "3. tree      -> build/vllm-0.21.0-sm12x" in out and "4. tree      -> build/vllm-0.33.0-sm12x" in out
+    assert "3. tree 0.21.0    -> build/vllm-0.21.0-sm12x" in out and "4. tree 0.33.0    -> build/vllm-0.33.0-sm12x" in out
     foreign = lanes / "build" / "vllm-0.33.0-sm12x"
     foreign.mkdir(parents=True)
     (foreign / "notes.txt").write_text("mine\n")

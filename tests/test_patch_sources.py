@@ -144,6 +144,8 @@ def test_an_upstream_edit_reaches_every_lane_and_touches_only_those_lines(tmp_pa
              _lane_copy(tmp_path, "0.33.0/0004-cumem-backup-pool.patch")]
     upstream = tmp_path / "fixes" / "cumem-backup-pool" / "upstream"
     upstream.write_text(upstream.read_text().replace("Applied-Upstream: no", "Applied-Upstream: 0.34.0")
+                        .replace("Sm12x-Upstream-Status: open,", "Sm12x-Upstream-Status: merged,")
+                        .replace(" #58066 open,", " #58066 merged,")
                         + "Sm12x-Probe: vllm/envs.py ~ BACKUP_POOL\n")
     for patch in lanes:
         before = patch.read_text()
@@ -152,7 +154,11 @@ def test_an_upstream_edit_reaches_every_lane_and_touches_only_those_lines(tmp_pa
         assert sources.refresh(patch, check=True)
         changed = [line for line in difflib.ndiff(before.splitlines(), patch.read_text().splitlines())
                    if line[:1] in "+-"]
+        status = "Sm12x-Upstream-Status: {}, checked 2026-11-27"
+        ref = " #58066 {}, opt-in preparation of the first sleep's backup buffers"
         assert changed == ["- Applied-Upstream: no", "+ Applied-Upstream: 0.34.0",
+                           "- " + status.format("open"), "+ " + status.format("merged"),
+                           "- " + ref.format("open"), "+ " + ref.format("merged"),
                            "+ Sm12x-Probe: vllm/envs.py ~ BACKUP_POOL"]
 
 

@@ -140,3 +140,25 @@ def test_apply_output_is_reproducible_and_touches_only_the_series(lane, lane_sou
     pristine = digest_tree(pinned_source.root)
     changed = {k for k in a.keys() | pristine.keys() if a.get(k) != pristine.get(k)}
     assert changed == set(series.paths) | {MARKER}  # and the marker that says the tree is ours
+
+
+def test_check_agrees_with_each_fix_upstream_status(lane, lane_source):
+    """What the headers say upstream did, the check must see in the lane's own release: no lane
+    carries a fix merged whole at or before its release (check would exit 10); a fix that landed
+    partly shows its probes split (partly landed) from that release on, and not before; a fix
+    still open or closed unmerged is not reported landed at all."""
+    from sm12x_bundle.checks.check import check_lane
+    from sm12x_bundle.series.lane import known_fixes, version_key
+
+    report = check_lane(lane, lane_source, known_fixes([lane]))
+    results = {r.patch: r for r in report.results}
+    for patch in lane.series.patches:
+        status, result = patch.upstream, results[patch.id]
+        assert status is not None, f"{patch.id}: no Sm12x-Upstream-Status"
+        since = status.applied.release is not None and version_key(lane.version) >= version_key(status.applied.release)
+        assert not (status.state == "merged" and since), f"{patch.id}: merged in {status.applied.release}, carried by {lane.version}"
+        assert result.outcome is Outcome.APPLIES, patch.id
+        if status.state == "partly" and len(patch.probes) > 1:
+            assert result.partly_landed == since, f"{patch.id} on {lane.version}: {result.summary()}"
+        else:
+            assert not result.partly_landed, f"{patch.id} on {lane.version}: {result.summary()}"

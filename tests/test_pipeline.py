@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 from pathlib import Path
 
@@ -38,8 +39,21 @@ def test_dry_run_prints_the_plan_and_touches_nothing(tmp_path, monkeypatch, caps
     monkeypatch.setenv("SM12X_BUNDLE_CACHE", str(tmp_path / "cache"))
     assert main(["build", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "3. tree      -> build/vllm-0.21.0-sm12x" in out and "4. tree      -> build/vllm-0.33.0-sm12x" in out
+    assert "3. tree 0.21.0    -> build/vllm-0.21.0-sm12x" in out and "4. tree 0.33.0    -> build/vllm-0.33.0-sm12x" in out
+    assert "1. pin            -> the cache" in out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_progress_lines_name_the_lane(default_context, tmp_path):
+    """Two lanes' tree steps must not print the same progress line."""
+    said = io.StringIO()
+    steps = [dataclasses.replace(s, run=lambda run: "ok") for s in pipeline.plan(default_context)]
+    ctx = Context(default_context.config, Progress(said))
+    pipeline.run_steps(ctx, steps, tmp_path, verify=None, force=False)
+    assert said.getvalue().splitlines() == [
+        "== [1/6] pin", "== [2/6] check", "== [3/6] tree 0.21.0", "== [4/6] tree 0.33.0",
+        "== [5/6] overlays", "== [6/6] nomad",
+    ]
 
 
 def _digests(root: Path) -> dict[str, str]:

@@ -18,7 +18,31 @@ def test_first_lines_give_the_two_commands():
 
 def test_ci_runs_the_readme_test_command():
     ci = (REPO / ".ci" / "run").read_text()
-    assert re.search(r"^exec scripts/test\b", ci, re.M)
+    assert re.search(r"^exec scripts/test -q$", ci, re.M)
+    assert "SM12X_SKIP_DOCKER" not in ci  # CI runs the daemon tests: the README says so
+    assert "`.ci/run`, the CI entry point, runs\n`scripts/test -q`, daemon included." in README
+
+
+def test_what_scripts_test_does_is_what_the_readme_says():
+    script = (REPO / "scripts" / "test").read_text()
+    dockerd = (REPO / ".ci" / "dockerd.sh").read_text()
+    assert "pip install -q -e '.[test]'" in script and "python3 tests/testinputs.py" in script
+    unless_skipped = script.split('if [ "${SM12X_SKIP_DOCKER:-0}" != 1 ]; then\n', 1)[1].split("\nfi\n", 1)[0]
+    assert ".ci/dockerd.sh start" in unless_skipped and "trap '.ci/dockerd.sh stop" in unless_skipped
+    assert script.rstrip().endswith('python3 -m pytest "$@"')  # the arguments it is given
+    assert "missing+=(docker.io)" in dockerd and "missing+=(debootstrap)" in dockerd
+    first = README[: README.index("## What this is")]
+    assert "`SM12X_SKIP_DOCKER=1 scripts/test` starts no\ndaemon" in first
+    assert "daemon tests remove the images they built" in first  # tests/test_docker_cleanup.py
+
+
+def test_the_command_table_lists_every_command():
+    from sm12x_bundle.cli import COMMANDS
+
+    table = README.split("| command | what it does |", 1)[1].split("\n\n", 1)[0]
+    for command in COMMANDS:
+        assert f"| `{command.name}" in table, command.name
+    assert "| `config show` |" in table and "| `config init [FILE]` |" in table
 
 
 def test_config_reference_names_every_key():

@@ -46,6 +46,13 @@ class Step:
     run: Callable[[Run], str]
     details: tuple[str, ...] = ()  # what --dry-run prints under the step, one line each
     destinations: tuple[fsutil.Destination, ...] = ()  # what it writes, refused before the first step if it may not
+    lane: str | None = None  # the lane a per-lane step works on
+
+    @property
+    def label(self) -> str:
+        """How the progress lines and the dry run name the step: ``tree 0.21.0``, where a
+        step runs once per lane, so that two lines never read the same."""
+        return f"{self.name} {self.lane}" if self.lane else self.name
 
 
 def _pin(run: Run) -> str:
@@ -115,7 +122,7 @@ def plan(ctx: Context, build_image: bool = False) -> list[Step]:
     steps = [Step("pin", "the cache", _pin), Step("check", "-", _check)]
     for lane in ctx.lanes:
         [dest] = tree.destinations(out, [lane.version])
-        steps.append(Step("tree", str(dest.path), _tree(lane), destinations=(dest,)))
+        steps.append(Step("tree", str(dest.path), _tree(lane), destinations=(dest,), lane=lane.version))
     if config.targets:
         where = Path(config.output.overlays)
         steps.append(Step("overlays", f"{where}/", _overlays, tuple(overlay.planned_overlays(config)),
@@ -173,6 +180,6 @@ def run_steps(ctx: Context, steps: list[Step], out: Path, verify: bool | None, f
     """Run the planned steps in order, saying each on stderr; return one summary line a step."""
     run = Run(ctx, out, verify, force)
     for n, step in enumerate(steps, 1):
-        ctx.progress.say(f"== [{n}/{len(steps)}] {step.name}")
+        ctx.progress.say(f"== [{n}/{len(steps)}] {step.label}")
         run.summary.append(f"{step.name:<9} {step.run(run)}")
     return run.summary

@@ -9,11 +9,19 @@ from collections.abc import Sequence
 
 from ..series.lane import Lane
 from ..series.patch import Patch
+from ..series.status import applied
 from .check import Outcome, VersionReport
 
 
-def _status(value: str) -> str:
-    return "not merged" if value.strip().lower() == "no" else f"landed in {value}"
+def _status(p: Patch) -> str:
+    """Where the fix stands upstream: its dated status (``partly: landed in 0.26.0 (checked
+    2026-11-27)``), else what Applied-Upstream says (``landed in 0.26.0``, ``not merged``)."""
+    if p.upstream is not None:
+        return p.upstream.cell()
+    found = applied(p.headers["Applied-Upstream"], str(p.file))
+    if found.release is None:
+        return "not merged"
+    return f"landed in {found.release}" + (", partly" if found.partly else "")
 
 
 def series_table(lanes: Sequence[Lane]) -> str:
@@ -23,7 +31,8 @@ def series_table(lanes: Sequence[Lane]) -> str:
         lines.append(f"lane {lane.version}: series {series.file} (sha256 {series.sha256[:16]})")
         for n, p in enumerate(series.patches, 1):
             lines.append(f"{n}. {p.id} [{p.kind}] {p.subject}")
-            lines.append(f"   upstream: {p.origin} ({_status(p.headers['Applied-Upstream'])})")
+            lines.append(f"   upstream: {p.origin} ({_status(p)})")
+            lines.extend(f"     {ref} {state}" for ref, state in (p.upstream.refs if p.upstream else ()))
             lines.append(f"   files: {', '.join(p.paths)}" + (f"; rebuilds {p.builds}" if p.builds else ""))
     return "\n".join(lines) + "\n"
 
@@ -45,7 +54,7 @@ def series_markdown(lanes: Sequence[Lane]) -> str:
         pr = p.origin.rstrip("/").rsplit("/", 1)[-1]
         cells = [f"{numbers[(v, fix)]:04d}" if (v, fix) in numbers else "-" for v in versions]
         rows.append(f"| `{fix}`: {p.subject} | {p.kind} | [#{pr}]({p.origin}) | "
-                    f"{_status(p.headers['Applied-Upstream'])} | " + " | ".join(cells) + " |")
+                    f"{_status(p)} | " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n"
 
 

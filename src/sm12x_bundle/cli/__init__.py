@@ -25,16 +25,18 @@ from ..fingerprint import tool_fingerprint
 from ..progress import Progress
 from .build import BUILD
 from .command import COMMON_CODES, MEANINGS, Command, add_common, rows
+from .config_cmd import CONFIG
 from .engine_check import ENGINE_CHECK
-from .rotate import ROTATE
 from .image import IMAGE
 from .nomad import NOMAD
 from .overlay import OVERLAY
 from .patches import APPLY, CHECK, FETCH, SERIES
+from .rotate import ROTATE
 from .selftest import SELFTEST
 
 # In the order --help lists them: the patches, the outputs, the proofs, the whole pipeline.
-COMMANDS: tuple[Command, ...] = (SERIES, CHECK, APPLY, FETCH, OVERLAY, IMAGE, NOMAD, SELFTEST, ENGINE_CHECK, ROTATE, BUILD)
+COMMANDS: tuple[Command, ...] = (SERIES, CHECK, APPLY, FETCH, OVERLAY, IMAGE, NOMAD, SELFTEST, ENGINE_CHECK, ROTATE,
+                                 BUILD, CONFIG)
 
 DESCRIPTION = """\
 Build a patched vLLM for consumer Blackwell (SM120/SM121) sleep-mode rotation pools.

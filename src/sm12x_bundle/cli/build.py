@@ -14,7 +14,7 @@ def run(ctx: Context, args: argparse.Namespace) -> int:
     out = preflight(ctx, steps, args.force)
     if args.dry_run:
         for n, step in enumerate(steps, 1):
-            print(f"{n}. {step.name:<9} -> {step.destination}")
+            print(f"{n}. {step.label:<14} -> {step.destination}")
             print("".join(f"     {line}\n" for line in step.details), end="")
         return 0
     print("\n".join(run_steps(ctx, steps, out, False if args.no_verify else None, args.force)))

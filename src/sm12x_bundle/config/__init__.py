@@ -24,16 +24,17 @@ from .model import (
     PinConfig,
     TargetConfig,
 )
-from .reading import parse
+from .reading import parse, parse_located
 from .rules import validate
 
 __all__ = [
-    "LOCAL_CONFIG", "MAX_BYTES", "CheckConfig", "Config", "ImageConfig", "JobConfig", "LaneConfig",
-    "OutputConfig", "PinConfig", "TargetConfig", "default_text", "load", "parse", "validate",
+    "EMBEDDED", "LOCAL_CONFIG", "MAX_BYTES", "CheckConfig", "Config", "ImageConfig", "JobConfig", "LaneConfig",
+    "OutputConfig", "PinConfig", "TargetConfig", "default_text", "load", "load_located", "parse", "validate",
 ]
 
 
 LOCAL_CONFIG = "sm12x-bundle.yaml"
+EMBEDDED = "<embedded default>"  # a Config's origin when no file was read
 
 
 # A config is a few KiB and nests 4 levels (jobs: [{env: {...}}]); these bounds are far above
@@ -47,10 +48,15 @@ def default_text() -> str:
 
 def load(path: Path | None = None, cwd: Path | None = None) -> Config:
     """Load ``path``, else ``sm12x-bundle.yaml`` in ``cwd``, else the embedded default."""
+    return load_located(path, cwd)[0]
+
+
+def load_located(path: Path | None = None, cwd: Path | None = None) -> tuple[Config, dict[str, int]]:
+    """``load``, and the line of every key the document wrote (``reading.parse_located``)."""
     cwd = cwd or Path.cwd()
     if path is None and (cwd / LOCAL_CONFIG).is_file():
         path = cwd / LOCAL_CONFIG
     if path is None:
-        return parse(default_text(), "<embedded default>", cwd)
+        return parse_located(default_text(), EMBEDDED, cwd)
     data = inputs.read_bounded(path, MAX_BYTES, ConfigError, "config")
-    return parse(inputs.decode_utf8(data, ConfigError, path), str(path), path.resolve().parent)
+    return parse_located(inputs.decode_utf8(data, ConfigError, path), str(path), path.resolve().parent)

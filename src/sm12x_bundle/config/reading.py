@@ -205,8 +205,15 @@ def _build(cls: type, node: _Node, where: str, origin: str, lines: dict[str, int
 def parse(text: str, origin: str, base_dir: Path) -> Config:
     """Parse one YAML document into a Config and check every value (file access: only
     whether each lane's series file is a regular file)."""
+    return parse_located(text, origin, base_dir)[0]
+
+
+def parse_located(text: str, origin: str, base_dir: Path) -> tuple[Config, dict[str, int]]:
+    """``parse``, and the line of every key and list item the document itself wrote
+    (``jobs[0].name`` -> 31): what ``config show`` says each value came from."""
     lines: dict[str, int] = {}
     config = _build(Config, _compose(text, origin), "", origin, lines)
+    written = dict(lines)
     config = dataclasses.replace(config, origin=origin, base_dir=str(base_dir))
     if not {"lanes", "pin", "series"} & lines.keys():  # no lane named: every lane the tool ships
         config = dataclasses.replace(config, lanes=_shipped_lanes())
@@ -216,4 +223,4 @@ def parse(text: str, origin: str, base_dir: Path) -> Config:
         first = config.lanes[0]
         pin = PinConfig(first.version, first.sha256, first.index_url, first.source)
         config = dataclasses.replace(config, pin=pin, series=first.series)
-    return config
+    return config, written

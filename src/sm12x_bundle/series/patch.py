@@ -15,9 +15,10 @@ from pathlib import Path, PurePosixPath
 
 from .. import inputs
 from ..errors import SeriesError
+from .status import STATUS_KEY, UpstreamStatus, parse_status
 
 REQUIRED = ("Description", "Origin", "Forwarded", "Applied-Upstream", "Last-Update", "Sm12x-Kind")
-KNOWN = REQUIRED + ("Bug", "Sm12x-Builds", "Sm12x-Probe", "Author", "Reviewed-by")
+KNOWN = REQUIRED + ("Bug", "Sm12x-Builds", "Sm12x-Probe", STATUS_KEY, "Author", "Reviewed-by")
 KINDS = ("python", "native")
 
 _HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
@@ -112,6 +113,11 @@ class Patch:
     @cached_property
     def sha256(self) -> str:
         return hashlib.sha256(self.text.encode()).hexdigest()
+
+    @property
+    def upstream(self) -> UpstreamStatus | None:
+        """Where the fix stands upstream and when that was checked (None: the patch does not say)."""
+        return parse_status(self.headers, str(self.file))
 
 
 @dataclass(frozen=True)
@@ -215,6 +221,7 @@ def parse_patch(text: str, file: Path) -> Patch:
     subject = next((ln[len("Subject:") :].strip() for ln in lines[:start] if ln.startswith("Subject:")), "")
     subject = re.sub(r"^\[PATCH[^\]]*\]\s*", "", subject)
     headers = _headers(lines[:start], str(file))
+    parse_status(headers, str(file))  # refused here, before anything is applied
     files = _file_patches(lines, start, file)
     return Patch(file, subject, headers, files, _probes(headers, str(file)), text)
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SeriesError
+from .status import STATUS_KEY, parse_status
 
 _DIFF = "diff --git a/"
 _SIGNATURE = "-- \n"
@@ -133,7 +134,7 @@ def regenerate(patch_text: str, files: dict[str, bytes]) -> str:
 
 # --- upstream metadata ---------------------------------------------------------
 
-UPSTREAM_KEYS = ("Origin", "Bug", "Forwarded", "Applied-Upstream", "Sm12x-Probe")
+UPSTREAM_KEYS = ("Origin", "Bug", "Forwarded", "Applied-Upstream", STATUS_KEY, "Sm12x-Probe")
 _FIELD = re.compile(r"([A-Z][A-Za-z0-9-]*):")
 
 
@@ -167,10 +168,17 @@ def read_upstream(path: Path) -> list[tuple[str, list[str]]]:
     stray = [k for k in keys if k not in UPSTREAM_KEYS]
     if stray:
         raise SeriesError(f"{path}: {stray[0]} is not upstream metadata (only {', '.join(UPSTREAM_KEYS)})")
-    missing = [k for k in ("Origin", "Forwarded", "Applied-Upstream") if k not in keys]
+    missing = [k for k in ("Origin", "Forwarded", "Applied-Upstream", STATUS_KEY) if k not in keys]
     if missing:
         raise SeriesError(f"{path}: missing {', '.join(missing)}")
+    parse_status(_as_headers(fields), str(path))  # the status agrees with Applied-Upstream and names every reference
     return fields
+
+
+def _as_headers(fields: list[tuple[str, list[str]]]) -> dict[str, str]:
+    """The fields as a patch's headers hold them: continuation lines joined by newlines."""
+    return {key: "\n".join(line.partition(":")[2].strip() if i == 0 else line.strip() for i, line in enumerate(lines))
+            for key, lines in fields}
 
 
 def with_upstream(patch_text: str, upstream: list[tuple[str, list[str]]], where: str = "patch") -> str:
