@@ -8,7 +8,7 @@
 # The lanes' sources are the unpacked pristine trees (a configuration written into
 # $SM12X_GPU_HOME names them as each lane's `source`), because the machine cannot fetch the
 # pinned sdists: --compare builds the patched copy's cumem extension from the lane's tree.
-# OUT receives env.txt, engine.json and gpu-engine.log.
+# OUT receives env.txt, engine.json, gpu-engine.log and logs.tgz (every engine's and server's log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -48,6 +48,7 @@ timeout "${ENGINE_TIMEOUT:-570}" python3 -m sm12x_bundle engine-check --config "
   --vllm-path "$home/site" --work "$home/engine-work" --json-out "$out/engine.json" "$@"
 rc=$?
 echo "== engine-check exit $rc"
+tar czf "$out/logs.tgz" -C "$home/engine-work" logs 2>/dev/null
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv
 nvidia-smi --query-gpu=memory.used --format=csv
 exit $rc
