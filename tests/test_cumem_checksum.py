@@ -198,3 +198,25 @@ def test_the_switch(ck, monkeypatch):
         assert ck.SkipUnchanged.from_env() is None
     monkeypatch.setenv("VLLM_CUMEM_SKIP_UNCHANGED", "1")
     assert ck.SkipUnchanged.from_env() is not None
+
+
+class Allocation:
+    """What SkipUnchanged reads of cumem's AllocationData: the handle."""
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+        self.handle = (0, buf.numel(), buf.data_ptr(), 0)
+
+
+def test_a_failing_kernel_falls_back_to_the_reference_then_to_copying(ck, monkeypatch):
+    skip = ck.SkipUnchanged(ck.Checksum(use_triton=True))
+    bufs = [rand_bytes(n, n) for n in (64, 8193)]
+    allocs = [(b.data_ptr(), Allocation(b)) for b in bufs]
+    skip.unchanged(allocs)
+    skip.commit()
+    monkeypatch.setattr(skip.checksum, "_kernel_sums", lambda *a: 1 / 0)
+    assert skip.unchanged(allocs) == {p for p, _ in allocs}  # the reference: same sums
+    assert skip.checksum.use_triton is False
+    monkeypatch.setattr(skip.checksum, "reference", lambda data: 1 / 0)
+    assert skip.unchanged(allocs) == set()  # no checksum at all: copy everything,
+    assert skip.stored == {} and skip.pending == {}  # and trust no sum of them later

@@ -171,6 +171,7 @@ class Checksum:
         self.use_triton = triton is not None if use_triton is None else use_triton
         self.view = device_view  # tests stand in for device memory here
         self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._layout: tuple[object, list[torch.Tensor]] = (None, [])
 
     def _grow_k2(self, nblocks: int) -> None:
         if nblocks > self.k2.shape[1]:
@@ -217,8 +218,10 @@ class Checksum:
         return total % P
 
     def _kernel_sums(self, spans: Sequence[tuple[int, int]], device: torch.device) -> torch.Tensor:
-        addrs, nbytes, index, ends = _descriptors(spans)
-        addrs, nbytes, index = (_upload(x, device) for x in (addrs, nbytes, index))
+        key = (tuple(spans), device)
+        if self._layout[0] != key:  # the same allocations sleep after sleep: kept on the host
+            self._layout = (key, [_pinned(x, device) for x in _descriptors(spans)])
+        addrs, nbytes, index, ends = (_upload(x, device) for x in self._layout[1])
         k1, k2 = self._keys_on(device)
         nblocks = addrs.numel()
         out = torch.empty(nblocks, HASHES, dtype=torch.int64, device=device)
@@ -227,7 +230,6 @@ class Checksum:
                               P=P, BLOCK=BLOCK, num_warps=self.num_warps)
         total = torch.cat([torch.zeros(1, HASHES, dtype=torch.int64, device=device),
                            out.cumsum(0)])
-        ends = _upload(ends, device)
         starts = torch.cat([ends.new_zeros(1), ends[:-1]])
         return (total[ends] - total[starts]) % P
 
@@ -251,11 +253,15 @@ def _blocks(nbytes: int) -> int:
     return max(1, -(-nbytes // (2 * BLOCK)))
 
 
+def _pinned(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return host.pin_memory() if device.type == "cuda" else host
+
+
 def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """To ``device`` without a host synchronize (pinned, non-blocking)."""
     if device.type != "cuda":
         return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return _pinned(host, device).to(device, non_blocking=True)
 
 
 def _descriptors(spans: Sequence[tuple[int, int]]):
@@ -297,17 +303,38 @@ class SkipUnchanged:
         for ptr, data in allocations:
             by_device.setdefault(data.handle[0], []).append((ptr, data))
         same: set[int] = set()
+        self.pending.clear()
         for device, group in by_device.items():
-            with _default_stream(device):
-                sums = self.checksum.sums([(p, d.handle[1]) for p, d in group],
-                                          _device(device))
-            for (ptr, data), now in zip(group, sums.tolist()):
+            sums = self._sums(device, [(p, d.handle[1]) for p, d in group])
+            if sums is None:  # no checksum: this sleep copies them all, and
+                for ptr, _ in group:  # their backups get bytes no sum describes
+                    self.stored.pop(ptr, None)
+                continue
+            for (ptr, data), now in zip(group, sums):
                 kept = self.stored.get(ptr)
                 if kept is not None and kept[0] is data and kept[1] == tuple(now):
                     same.add(ptr)
                 self.pending[ptr] = (data, tuple(now))
         self.last_checksum_s = time.perf_counter() - start
         return same
+
+    def _sums(self, device: int, spans: list[tuple[int, int]]) -> list[list[int]] | None:
+        """The spans' checksums on the host; where the kernel fails (a card or a
+        Triton it does not build for), the reference from then on; None when that
+        fails too."""
+        for attempt in range(2):
+            try:
+                with _default_stream(device):
+                    return self.checksum.sums(spans, _device(device)).tolist()
+            except Exception:  # noqa: BLE001  (a sleep that copies is still a sleep)
+                logger.warning("cumem checksum failed (%s); %s", "Triton kernel"
+                               if self.checksum.use_triton else "torch reference",
+                               "using the torch reference" if attempt == 0 else
+                               "this sleep copies every allocation", exc_info=True)
+                if not self.checksum.use_triton:
+                    return None
+                self.checksum.use_triton = False
+        return None
 
     def commit(self) -> None:
         """The sleep's copies are done: its checksums describe the backups."""
