@@ -220,3 +220,12 @@ def test_a_failing_kernel_falls_back_to_the_reference_then_to_copying(ck, monkey
     monkeypatch.setattr(skip.checksum, "reference", lambda data: 1 / 0)
     assert skip.unchanged(allocs) == set()  # no checksum at all: copy everything,
     assert skip.stored == {} and skip.pending == {}  # and trust no sum of them later
+
+
+def test_the_series_table_names_a_fix_of_our_own_without_a_link():
+    """Origin: none (no upstream counterpart) is shown as it is, not as a link."""
+    from sm12x_bundle.checks.report import _origin_cell
+
+    assert _origin_cell("none") == "none"
+    assert _origin_cell("https://github.com/vllm-project/vllm/pull/43020") == (
+        "[#43020](https://github.com/vllm-project/vllm/pull/43020)")
