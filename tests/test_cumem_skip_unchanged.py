@@ -24,9 +24,6 @@ from test_cumem_patches import DEVICE_BASE, LAYOUT, FakeCuda, load_cumem  # noqa
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[1]
-CHECKSUM = ROOT / "patches/fixes/cumem-skip-unchanged/new/vllm/device_allocator/cumem_checksum.py"
-POOL = ROOT / "patches/fixes/cumem-backup-pool/new/vllm/device_allocator/cumem_backup_pool.py"
 WEIGHTS = sum(n for t, n in LAYOUT if t == "weights")
 
 
@@ -36,6 +33,11 @@ def load_as(path: Path, name: str, monkeypatch):
     monkeypatch.setitem(sys.modules, name, mod)
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture(autouse=True)
+def switched_on(monkeypatch):
+    monkeypatch.delenv("VLLM_CUMEM_SKIP_UNCHANGED", raising=False)  # the default: on
 
 
 @pytest.fixture(params=LANES)
@@ -60,19 +62,13 @@ def fake(monkeypatch) -> FakeCuda:
 
 def make_alloc(lane_tree, lane, fake, monkeypatch, pool: bool = False):
     tree = lane_tree(lane, "patched")
-    load_as(tree / "vllm/device_allocator/cumem_checksum.py", "vllm.device_allocator.cumem_checksum",
-            monkeypatch)
     if pool:
         mod = load_as(tree / "vllm/device_allocator/cumem_backup_pool.py",
                       "vllm.device_allocator.cumem_backup_pool", monkeypatch)
         monkeypatch.setattr(mod.HostMemory, "register", lambda self, addr, n, dev: None)
         monkeypatch.setattr(mod.HostMemory, "unregister", lambda self, addr: None)
-    alloc = load_cumem(tree, fake, monkeypatch, f"_cumem_skip_{lane}").CuMemAllocator()
-    if alloc.skip_unchanged is not None:
-        checksum = alloc.skip_unchanged.checksum
-        checksum.use_triton = False
-        checksum.view = lambda addr, n, device: torch.frombuffer(fake.memory[addr], dtype=torch.uint8)[:n]
-    return alloc
+    # the checksum reads the fake's memory (load_cumem); the switch as the test sets it
+    return load_cumem(tree, fake, monkeypatch, f"_cumem_skip_{lane}", skip_unchanged=None).CuMemAllocator()
 
 
 def loaded(fake, alloc) -> list[int]:
