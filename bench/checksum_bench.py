@@ -58,9 +58,7 @@ def main() -> int:
     for i, gib in enumerate(args.sizes):
         n = int(gib * (1 << 30))
         buf = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
-        out = torch.empty_like(buf)
-        copy_s = best_seconds(lambda: out.copy_(buf), args.repeat)
-        del out
+        copy_s = copy_seconds(buf, args.repeat)
         if i == 0:
             shape = fastest_shape(ck, buf, args.repeat)
         checksum = ck.Checksum(**shape)
@@ -68,16 +66,22 @@ def main() -> int:
         layouts = {"one span": [(buf.data_ptr(), n)],
                    f"{args.span_mib} MiB spans": [(buf.data_ptr() + o, min(step, n - o)) for o in range(0, n, step)]}
         for name, spans in layouts.items():
-            s = best_seconds(lambda: checksum.sums(spans, buf.device).tolist(), args.repeat)
+            s = best_seconds(lambda c=checksum, s=spans: c.sums(s, buf.device).tolist(), args.repeat)
             print(json.dumps({
                 "device": torch.cuda.get_device_name(), "gib": gib, "layout": name, **shape,
                 "checksum_s": round(s, 5), "checksum_gbps": round(n / s / 1e9, 1),
                 "copy_s": round(copy_s, 5), "copy_gbps": round(n / copy_s / 1e9, 1),
                 "copy_traffic_gbps": round(2 * n / copy_s / 1e9, 1),
                 "ratio_to_copy_traffic": round((n / s) / (2 * n / copy_s), 3)}), flush=True)
-        del buf
+        buf = None
         torch.cuda.empty_cache()
     return 0
+
+
+def copy_seconds(buf: torch.Tensor, repeat: int) -> float:
+    """A device-to-device copy of ``buf``: the ceiling (its memory traffic is 2x its bytes)."""
+    out = torch.empty_like(buf)
+    return best_seconds(lambda: out.copy_(buf), repeat)
 
 
 def fastest_shape(ck, buf, repeat: int) -> dict:
@@ -86,7 +90,7 @@ def fastest_shape(ck, buf, repeat: int) -> dict:
         for warps in (4, 8):
             checksum = ck.Checksum(programs_per_sm=per_sm, num_warps=warps)
             spans = [(buf.data_ptr(), buf.numel())]
-            results[(per_sm, warps)] = best_seconds(lambda: checksum.sums(spans, buf.device), repeat)
+            results[(per_sm, warps)] = best_seconds(lambda c=checksum, s=spans: c.sums(s, buf.device), repeat)
             print(json.dumps({"shape_trial": {"programs_per_sm": per_sm, "num_warps": warps},
                               "gbps": round(buf.numel() / results[(per_sm, warps)] / 1e9, 1)}), flush=True)
     per_sm, warps = min(results, key=results.get)

@@ -266,3 +266,14 @@ def test_the_0_21_0_worker_freezes_its_heap_as_0_33_0s_does(lane_tree):
     where = "Worker.compile_or_warm_up_model"
     assert "freeze_gc_heap" not in calls_in(lane_tree("0.21.0", "pinned"), where)
     assert "freeze_gc_heap" in calls_in(lane_tree("0.21.0", "patched"), where)
+
+
+def test_the_wake_takes_no_checksum_and_no_synchronize(lane_tree, lane, fake, monkeypatch):
+    alloc = make_alloc(lane_tree, lane, fake, monkeypatch)
+    loaded(fake, alloc)
+    cycle(alloc, fake)
+    alloc.sleep(offload_tags=("weights",))
+    monkeypatch.setattr(alloc.skip_unchanged, "unchanged", lambda *a: pytest.fail("a checksum at wake"))
+    del fake.events[:]
+    alloc.wake_up()
+    assert fake.syncs() == []

@@ -217,9 +217,10 @@ class Checksum:
             total += times_key(inner, k2[:, first:first + n], P).sum(-1)
         return total % P
 
-    def _kernel_sums(self, spans: Sequence[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    def _kernel_sums(self, spans: Sequence[tuple[int, int]],
+                     device: torch.device) -> torch.Tensor:
         key = (tuple(spans), device)
-        if self._layout[0] != key:  # the same allocations sleep after sleep: kept on the host
+        if self._layout[0] != key:  # the same allocations, sleep after sleep: kept
             self._layout = (key, [_pinned(x, device) for x in _descriptors(spans)])
         addrs, nbytes, index, ends = (_upload(x, device) for x in self._layout[1])
         k1, k2 = self._keys_on(device)
@@ -310,7 +311,7 @@ class SkipUnchanged:
                 for ptr, _ in group:  # their backups get bytes no sum describes
                     self.stored.pop(ptr, None)
                 continue
-            for (ptr, data), now in zip(group, sums):
+            for (ptr, data), now in zip(group, sums, strict=True):
                 kept = self.stored.get(ptr)
                 if kept is not None and kept[0] is data and kept[1] == tuple(now):
                     same.add(ptr)
@@ -318,7 +319,8 @@ class SkipUnchanged:
         self.last_checksum_s = time.perf_counter() - start
         return same
 
-    def _sums(self, device: int, spans: list[tuple[int, int]]) -> list[list[int]] | None:
+    def _sums(self, device: int,
+              spans: list[tuple[int, int]]) -> list[list[int]] | None:
         """The spans' checksums on the host; where the kernel fails (a card or a
         Triton it does not build for), the reference from then on; None when that
         fails too."""
@@ -347,7 +349,9 @@ class SkipUnchanged:
 
 
 def _device(index: int) -> torch.device:
-    return torch.device("cuda", index) if torch.cuda.is_available() else torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", index)
+    return torch.device("cpu")
 
 
 def _default_stream(index: int):
