@@ -66,7 +66,7 @@ def main() -> int:
         layouts = {"one span": [(buf.data_ptr(), n)],
                    f"{args.span_mib} MiB spans": [(buf.data_ptr() + o, min(step, n - o)) for o in range(0, n, step)]}
         for name, spans in layouts.items():
-            s = best_seconds(lambda c=checksum, s=spans: c.sums(s, buf.device).tolist(), args.repeat)
+            s = best_seconds(lambda c=checksum, s=spans, d=buf.device: c.sums(s, d).tolist(), args.repeat)
             print(json.dumps({
                 "device": torch.cuda.get_device_name(), "gib": gib, "layout": name, **shape,
                 "checksum_s": round(s, 5), "checksum_gbps": round(n / s / 1e9, 1),
