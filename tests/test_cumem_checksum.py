@@ -229,3 +229,13 @@ def test_the_series_table_names_a_fix_of_our_own_without_a_link():
     assert _origin_cell("none") == "none"
     assert _origin_cell("https://github.com/vllm-project/vllm/pull/43020") == (
         "[#43020](https://github.com/vllm-project/vllm/pull/43020)")
+
+
+def test_no_key_copies_stay_on_the_device_after_a_sleeps_checksums(ck):
+    """The sleep empties the cache after its checksums: the keys' device copies must be
+    gone by then, or a sleeping process would keep them (uploaded again next sleep)."""
+    skip = ck.SkipUnchanged(ck.Checksum(use_triton=True))
+    buf = rand_bytes(8193, 2)
+    skip.unchanged([(buf.data_ptr(), Allocation(buf))])
+    assert skip.checksum._on_device == {}
+    assert skip.pending  # the sums were taken (by the kernel, in the interpreter)

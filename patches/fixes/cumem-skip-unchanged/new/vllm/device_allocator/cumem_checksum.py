@@ -173,6 +173,11 @@ class Checksum:
         self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._layout: tuple[object, list[torch.Tensor]] = (None, [])
 
+    def release(self) -> None:
+        """Drop the keys' device copies: a sleeping process holds no GPU memory
+        for them (uploaded again, without a synchronize, at the next sleep)."""
+        self._on_device.clear()
+
     def _grow_k2(self, nblocks: int) -> None:
         if nblocks > self.k2.shape[1]:
             more = max(nblocks, 2 * self.k2.shape[1]) - self.k2.shape[1]
@@ -293,7 +298,25 @@ class SkipUnchanged:
 
     @classmethod
     def from_env(cls) -> SkipUnchanged | None:
-        return cls() if enabled() else None
+        if not enabled():
+            return None
+        skip = cls()
+        skip.warm_up()
+        return skip
+
+    def warm_up(self) -> None:
+        """Build the kernel now, while the model loads, rather than in the first
+        sleep (a cold Triton cache takes seconds). A failure only logs: the sleep
+        falls back to the reference."""
+        if not (self.checksum.use_triton and torch.cuda.is_available()):
+            return
+        try:
+            buf = torch.zeros(16, dtype=torch.uint8, device="cuda")
+            self.checksum.sums([(buf.data_ptr(), buf.numel())], buf.device)
+        except Exception:  # noqa: BLE001
+            logger.warning("cumem checksum: the Triton kernel did not build",
+                           exc_info=True)
+        self.checksum.release()
 
     def unchanged(self, allocations: Iterable[tuple[int, object]]) -> set[int]:
         """The addresses, among ``allocations`` (address, AllocationData), whose
@@ -316,6 +339,7 @@ class SkipUnchanged:
                 if kept is not None and kept[0] is data and kept[1] == tuple(now):
                     same.add(ptr)
                 self.pending[ptr] = (data, tuple(now))
+        self.checksum.release()  # the sleep that follows empties the cache
         self.last_checksum_s = time.perf_counter() - start
         return same
 
