@@ -105,6 +105,10 @@ class FakeCuda:
         else:
             ctypes.memmove(dst, bytes(self._mapped(src)[:count]), count)
 
+    def view(self, addr: int, nbytes: int, device) -> "torch.Tensor":
+        """A mapped allocation's bytes as a tensor (cumem-skip-unchanged's checksum reads it)."""
+        return torch.frombuffer(self._mapped(addr), dtype=torch.uint8)[:nbytes]
+
     def _mapped(self, addr: int) -> bytearray:
         if addr not in self.memory:
             raise RuntimeError("CUDART error: an illegal memory access was encountered")
@@ -175,8 +179,13 @@ def load_tree_module(tree: Path, mod_name: str, monkeypatch: pytest.MonkeyPatch)
     return mod
 
 
-def load_cumem(tree: Path, fake: FakeCuda, monkeypatch: pytest.MonkeyPatch, name: str):
-    """Import ``tree``'s cumem.py against ``fake``; only what its imports need is faked."""
+def load_cumem(tree: Path, fake: FakeCuda, monkeypatch: pytest.MonkeyPatch, name: str,
+               skip_unchanged: str | None = "0"):
+    """Import ``tree``'s cumem.py against ``fake``; only what its imports need is faked.
+    The tree's cumem-skip-unchanged checksum reads the fake's memory, in pure torch; it is
+    switched off (VLLM_CUMEM_SKIP_UNCHANGED) unless ``skip_unchanged`` says otherwise
+    (None: as the environment says), so that the other fixes' tests see sleep and wake
+    as their patches make them (tests/test_cumem_skip_unchanged.py has it on)."""
 
     def module(mod_name: str, **attrs) -> None:
         mod = types.ModuleType(mod_name)
@@ -202,6 +211,12 @@ def load_cumem(tree: Path, fake: FakeCuda, monkeypatch: pytest.MonkeyPatch, name
         python_unmap_and_release=fake.python_unmap_and_release,
     )
     module("vllm.distributed.device_communicators.cuda_wrapper", CudaRTLibrary=lambda: fake)
+    if (tree / "vllm/device_allocator/cumem_checksum.py").is_file():
+        checksum = load_tree_module(tree, "vllm.device_allocator.cumem_checksum", monkeypatch)
+        monkeypatch.setattr(checksum, "device_view", fake.view)
+        monkeypatch.setattr(checksum, "triton", None)  # its kernel: test_cumem_checksum.py
+        if skip_unchanged is not None:
+            monkeypatch.setenv("VLLM_CUMEM_SKIP_UNCHANGED", skip_unchanged)
     spec = importlib.util.spec_from_file_location(name, tree / CUMEM)
     mod = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, name, mod)

@@ -123,6 +123,7 @@ def test_the_shipped_fixes_keep_their_upstream_metadata_once():
         "cumem-backup-pool",
         "cumem-error-code-reset",
         "cumem-rank-transactions",
+        "cumem-skip-unchanged",
         "cumem-stream-aware-free",
         "cumem-wake-up-rollback",
         "triton-sparse-mla-fallback",

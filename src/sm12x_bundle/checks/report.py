@@ -51,11 +51,18 @@ def series_markdown(lanes: Sequence[Lane]) -> str:
     rows = ["| patch | kind | upstream | status | " + " | ".join(versions) + " |",
             "|---|---|---|---|" + "---|" * len(versions)]
     for fix, p in first.items():
-        pr = p.origin.rstrip("/").rsplit("/", 1)[-1]
         cells = [f"{numbers[(v, fix)]:04d}" if (v, fix) in numbers else "-" for v in versions]
-        rows.append(f"| `{fix}`: {p.subject} | {p.kind} | [#{pr}]({p.origin}) | "
+        rows.append(f"| `{fix}`: {p.subject} | {p.kind} | {_origin_cell(p.origin)} | "
                     f"{_status(p)} | " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n"
+
+
+def _origin_cell(origin: str) -> str:
+    """A link named by the PR or issue number, or the text of an Origin that is no URL
+    (``none``: a fix of our own with no upstream counterpart)."""
+    if not origin.startswith(("https://", "http://")):
+        return origin
+    return f"[#{origin.rstrip('/').rsplit('/', 1)[-1]}]({origin})"
 
 
 def table(reports: list[VersionReport]) -> str:

@@ -1,0 +1,241 @@
+"""The keyed checksum that lets sleep() skip unchanged allocations (cumem-skip-unchanged).
+
+The module is loaded by path from its source in this repository
+(patches/fixes/cumem-skip-unchanged/new/, which both lanes' patches carry; tests/
+test_generated.py keeps them in step). Its pure-torch reference is checked against the
+formula computed with Python integers, then against the changes a checksum must see
+(any bit, swapped elements, changes that keep a sum); the Triton kernel runs in Triton's
+CPU interpreter (TRITON_INTERPRET=1) and must give the reference's sums bit for bit.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import sys
+from pathlib import Path
+
+import needs
+import pytest
+
+torch = needs.module("torch")
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    # Triton decides at import whether to interpret: before its first import.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+SOURCE = (Path(__file__).resolve().parents[1]
+          / "patches/fixes/cumem-skip-unchanged/new/vllm/device_allocator/cumem_checksum.py")
+# Sizes that are odd, shorter than a block, one byte either side of a block, several blocks.
+SIZES = [1, 2, 3, 101, 8191, 8192, 8193, 3 * 8192 + 7]
+
+
+def load(name: str = "_cumem_checksum_under_test"):
+    spec = importlib.util.spec_from_file_location(name, SOURCE)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def ck():
+    return load()
+
+
+@pytest.fixture(scope="module")
+def checksum(ck):
+    return ck.Checksum(use_triton=False)
+
+
+def rand_bytes(n: int, seed: int) -> torch.Tensor:
+    return torch.tensor(list(random.Random(seed).randbytes(n)), dtype=torch.uint8)
+
+
+def python_checksum(ck, checksum, data: bytes) -> list[int]:
+    """The docstring's formula with Python integers: K1^T W K2 mod p, twice."""
+    words = [data[i] + 256 * (data[i + 1] if i + 1 < len(data) else 0) for i in range(0, len(data), 2)]
+    out = []
+    for h in range(ck.HASHES):
+        k1, k2 = checksum.k1[h].tolist(), checksum.k2[h].tolist()
+        total = 0
+        for b in range(0, len(words), ck.BLOCK):
+            inner = sum(w * k for w, k in zip(words[b:b + ck.BLOCK], k1))
+            total += (inner % ck.P) * k2[b // ck.BLOCK]
+        out.append(total % ck.P)
+    return out
+
+
+def sums(checksum, data: torch.Tensor) -> tuple[int, int]:
+    return tuple(checksum.reference(data).tolist())
+
+
+def test_p_is_prime_and_two_checksums_miss_below_2_to_the_60(ck):
+    p = ck.P
+    assert pow(2, p - 1, p) == 1 and all(p % d for d in range(3, 1 << 16, 2))  # no factor <= sqrt(p)
+    assert 4 * 2**60 < p * p  # 4 / p^2 < 2^-60
+    assert (2**16 - 1) * (p - 1) * ck.BLOCK < 2**63  # a block's sum fits in int64
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_reference_is_the_formula(ck, checksum, n):
+    data = rand_bytes(n, n)
+    assert list(sums(checksum, data)) == python_checksum(ck, checksum, bytes(data.tolist()))
+
+
+def test_keys_are_uniform_below_p_and_fresh_per_process(ck):
+    keys = ck.uniform_keys(100_000)
+    assert int(keys.min()) >= 0 and int(keys.max()) < ck.P
+    assert int(keys.max()) > (1 << 31)  # the whole range, not 31 bits
+    other = ck.Checksum(use_triton=False)
+    data = rand_bytes(8193, 1)
+    # another process draws other keys: other sums for the same bytes
+    assert sums(other, data) != sums(ck.Checksum(use_triton=False), data)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_identical_bytes_give_identical_sums(checksum, n):
+    data = rand_bytes(n, 7)
+    copy = data.clone()
+    assert copy.data_ptr() != data.data_ptr()
+    assert sums(checksum, data) == sums(checksum, copy)
+
+
+@pytest.mark.parametrize("n", [1, 3, 8193, 3 * 8192 + 7])
+def test_every_single_bit_flip_changes_the_sums(checksum, n):
+    data = rand_bytes(n, n)
+    before = sums(checksum, data)
+    rng = random.Random(n)
+    # every bit of the first and last bytes, and 200 random bits elsewhere
+    positions = {0, n - 1} | {rng.randrange(n) for _ in range(200)}
+    for pos in sorted(positions):
+        for bit in range(8):
+            data[pos] ^= 1 << bit
+            assert sums(checksum, data) != before, (pos, bit)
+            data[pos] ^= 1 << bit
+    assert sums(checksum, data) == before
+
+
+@pytest.mark.parametrize("width", [1, 2, 4])
+def test_swapping_two_elements_changes_the_sums(checksum, width):
+    data = rand_bytes(3 * 8192 + 7, width)
+    before = sums(checksum, data)
+    rng = random.Random(width)
+    elems = data[: (data.numel() // width) * width].view(-1, width)
+    for _ in range(100):
+        i, j = rng.sample(range(elems.shape[0]), 2)
+        if torch.equal(elems[i], elems[j]):
+            continue
+        a, b = elems[i].clone(), elems[j].clone()
+        elems[i], elems[j] = b, a
+        assert sums(checksum, data) != before, (i, j)
+        elems[i], elems[j] = a, b
+    assert sums(checksum, data) == before
+
+
+def test_changes_that_keep_a_sum_change_the_sums(checksum):
+    """+d at one word and -d at another (the words' sum, and a float sum, unchanged);
+    +d, -2d, +d at three (also the first moment, for equally spaced words)."""
+    data = rand_bytes(4 * 8192, 3)
+    words = data.view(torch.int16)
+    before = sums(checksum, data)
+    rng = random.Random(3)
+    for _ in range(100):
+        i, j, k = sorted(rng.sample(range(1, words.numel() - 1), 3))
+        saved = words.clone()
+        words[i] += 5
+        words[j] -= 5
+        assert sums(checksum, data) != before
+        words.copy_(saved)
+        step = rng.randrange(1, 3)
+        i = rng.randrange(words.numel() - 2 * step)
+        words[i] += 3
+        words[i + step] -= 6
+        words[i + 2 * step] += 3
+        assert sums(checksum, data) != before
+        words.copy_(saved)
+    assert sums(checksum, data) == before
+
+
+def test_sums_of_spans_are_each_spans_reference(ck):
+    checksum = ck.Checksum(use_triton=False)
+    bufs = [rand_bytes(n, n) for n in SIZES]
+    got = checksum.sums([(b.data_ptr(), b.numel()) for b in bufs], "cpu")
+    assert got.tolist() == [checksum.reference(b).tolist() for b in bufs]
+
+
+@pytest.mark.triton
+def test_triton_kernel_gives_the_reference_sums(ck):
+    """One launch for every span (persistent programs walking several blocks each): the
+    same sums as the reference, bit for bit, odd sizes and partial blocks included."""
+    needs.module("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        needs.missing("triton was imported before TRITON_INTERPRET=1 was set, and no GPU")
+    checksum = ck.Checksum()
+    assert checksum.use_triton
+    bufs = [rand_bytes(n, n) for n in SIZES]
+    bufs.append(torch.zeros(5, dtype=torch.uint8))
+    got = checksum.sums([(b.data_ptr(), b.numel()) for b in bufs], "cpu")
+    assert got.tolist() == [checksum.reference(b).tolist() for b in bufs]
+    bufs[3][50] ^= 0x10  # a change is seen by the kernel too
+    again = checksum.sums([(b.data_ptr(), b.numel()) for b in bufs], "cpu")
+    assert [i for i in range(len(bufs)) if again[i].tolist() != got[i].tolist()] == [3]
+
+
+def test_unaligned_spans_use_the_reference(ck, monkeypatch):
+    checksum = ck.Checksum(use_triton=True)
+    monkeypatch.setattr(checksum, "_kernel_sums", lambda *a: pytest.fail("kernel on an unaligned span"))
+    buf = rand_bytes(100, 1)
+    got = checksum.sums([(buf.data_ptr() + 1, 99)], "cpu")
+    assert got.tolist() == [checksum.reference(buf[1:]).tolist()]
+
+
+def test_the_switch(ck, monkeypatch):
+    monkeypatch.delenv("VLLM_CUMEM_SKIP_UNCHANGED", raising=False)
+    assert ck.SkipUnchanged.from_env() is None  # off unless asked for
+    for off in ("0", "false", "off"):
+        monkeypatch.setenv("VLLM_CUMEM_SKIP_UNCHANGED", off)
+        assert ck.SkipUnchanged.from_env() is None
+    monkeypatch.setenv("VLLM_CUMEM_SKIP_UNCHANGED", "1")
+    assert ck.SkipUnchanged.from_env() is not None
+
+
+class Allocation:
+    """What SkipUnchanged reads of cumem's AllocationData: the handle."""
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+        self.handle = (0, buf.numel(), buf.data_ptr(), 0)
+
+
+def test_a_failing_kernel_falls_back_to_the_reference_then_to_copying(ck, monkeypatch):
+    skip = ck.SkipUnchanged(ck.Checksum(use_triton=True))
+    bufs = [rand_bytes(n, n) for n in (64, 8193)]
+    allocs = [(b.data_ptr(), Allocation(b)) for b in bufs]
+    skip.unchanged(allocs)
+    skip.commit()
+    monkeypatch.setattr(skip.checksum, "_kernel_sums", lambda *a: 1 / 0)
+    assert skip.unchanged(allocs) == {p for p, _ in allocs}  # the reference: same sums
+    assert skip.checksum.use_triton is False
+    monkeypatch.setattr(skip.checksum, "reference", lambda data: 1 / 0)
+    assert skip.unchanged(allocs) == set()  # no checksum at all: copy everything,
+    assert skip.stored == {} and skip.pending == {}  # and trust no sum of them later
+
+
+def test_the_series_table_names_a_fix_of_our_own_without_a_link():
+    """Origin: none (no upstream counterpart) is shown as it is, not as a link."""
+    from sm12x_bundle.checks.report import _origin_cell
+
+    assert _origin_cell("none") == "none"
+    assert _origin_cell("https://github.com/vllm-project/vllm/pull/43020") == (
+        "[#43020](https://github.com/vllm-project/vllm/pull/43020)")
+
+
+def test_no_key_copies_stay_on_the_device_after_a_sleeps_checksums(ck):
+    """The sleep empties the cache after its checksums: the keys' device copies must be
+    gone by then, or a sleeping process would keep them (uploaded again next sleep)."""
+    skip = ck.SkipUnchanged(ck.Checksum(use_triton=True))
+    buf = rand_bytes(8193, 2)
+    skip.unchanged([(buf.data_ptr(), Allocation(buf))])
+    assert skip.checksum._on_device == {}
+    assert skip.pending  # the sums were taken (by the kernel, in the interpreter)

@@ -1,0 +1,279 @@
+"""cumem-skip-unchanged through each lane's patched cumem.py: sleep copies only what changed.
+
+The patched tree's own cumem.py runs against test_cumem_patches' FakeCuda (the C
+extension and libcudart), with the fix's checksum module imported as vLLM would import
+it; the checksum reads the fake's device memory through its ``view`` hook, in pure torch
+(its Triton kernel is checked against the same reference in test_cumem_checksum.py).
+"""
+
+from __future__ import annotations
+
+import ast
+import gc
+import importlib.util
+import sys
+from pathlib import Path
+
+import needs
+import pytest
+
+torch = needs.module("torch")
+
+from lanekit import LANES, lane_tree  # noqa: E402, F401
+from test_cumem_patches import DEVICE_BASE, LAYOUT, FakeCuda, load_cumem  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+WEIGHTS = sum(n for t, n in LAYOUT if t == "weights")
+
+
+def load_as(path: Path, name: str, monkeypatch):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(autouse=True)
+def switched_on(monkeypatch):
+    monkeypatch.setenv("VLLM_CUMEM_SKIP_UNCHANGED", "1")  # off by default
+
+
+@pytest.fixture(params=LANES)
+def lane(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def fake(monkeypatch) -> FakeCuda:
+    fake = FakeCuda()
+    fake.copied = []  # device addresses copied to the host (sleep's copies)
+    copy = fake.cudaMemcpy
+
+    def recording(dst, src, count):
+        if src >= DEVICE_BASE:
+            fake.copied.append(src)
+        copy(dst, src, count)
+
+    monkeypatch.setattr(fake, "cudaMemcpy", recording)
+    return fake
+
+
+def make_alloc(lane_tree, lane, fake, monkeypatch, pool: bool = False):
+    tree = lane_tree(lane, "patched")
+    if pool:
+        mod = load_as(tree / "vllm/device_allocator/cumem_backup_pool.py",
+                      "vllm.device_allocator.cumem_backup_pool", monkeypatch)
+        monkeypatch.setattr(mod.HostMemory, "register", lambda self, addr, n, dev: None)
+        monkeypatch.setattr(mod.HostMemory, "unregister", lambda self, addr: None)
+    # the checksum reads the fake's memory (load_cumem); the switch as the test sets it
+    return load_cumem(tree, fake, monkeypatch, f"_cumem_skip_{lane}", skip_unchanged=None).CuMemAllocator()
+
+
+def loaded(fake, alloc) -> list[int]:
+    """LAYOUT, each tag in its own memory pool as vLLM's worker does."""
+    addrs = {}
+    for tag in ("weights", "kv_cache"):
+        with alloc.use_memory_pool(tag):
+            for i, (t, size) in enumerate(LAYOUT):
+                if t == tag:
+                    addrs[i] = fake.my_malloc(alloc, size, tag)
+    if getattr(alloc, "backup_pool", None) is not None:
+        alloc.backup_pool.wait()
+    return [addrs[i] for i in range(len(LAYOUT))]
+
+
+def weights(addrs: list[int]) -> list[int]:
+    return [a for (t, _), a in zip(LAYOUT, addrs) if t == "weights"]
+
+
+def snapshot(fake, addrs) -> dict[int, bytes]:
+    return {a: bytes(fake.memory[a]) for a in addrs}
+
+
+def cycle(alloc, fake) -> list[int]:
+    """sleep(level 1) then wake_up; what the sleep copied."""
+    del fake.copied[:]
+    alloc.sleep(offload_tags=("weights",))
+    copied = list(fake.copied)
+    alloc.wake_up()
+    return copied
+
+
+def test_an_unchanged_allocation_is_not_copied_again(lane_tree, lane, fake, monkeypatch):
+    alloc = make_alloc(lane_tree, lane, fake, monkeypatch)
+    addrs = loaded(fake, alloc)
+    data = snapshot(fake, weights(addrs))
+    assert cycle(alloc, fake) == weights(addrs)  # the first sleep copies every weight
+    assert (alloc.last_sleep_copied_bytes, alloc.last_sleep_skipped_bytes) == (WEIGHTS, 0)
+    for _ in range(2):
+        assert cycle(alloc, fake) == []  # serving wrote nothing: nothing copied
+        assert (alloc.last_sleep_copied_bytes, alloc.last_sleep_skipped_bytes) == (0, WEIGHTS)
+        assert alloc.last_sleep_checksum_s > 0
+        assert snapshot(fake, weights(addrs)) == data  # and the wake restored every byte
+
+
+def test_an_allocation_changed_in_place_is_copied_and_restored(lane_tree, lane, fake, monkeypatch):
+    alloc = make_alloc(lane_tree, lane, fake, monkeypatch)
+    addrs = loaded(fake, alloc)
+    cycle(alloc, fake)
+    changed = weights(addrs)[1]
+    fake.memory[changed][100] ^= 0x01  # a weight updated in place while awake
+    data = snapshot(fake, weights(addrs))
+    assert cycle(alloc, fake) == [changed]
+    assert alloc.last_sleep_copied_bytes == LAYOUT[1][1]  # that allocation alone
+    assert snapshot(fake, weights(addrs)) == data  # the changed bytes came back, not the old
+    assert cycle(alloc, fake) == []
+
+
+def test_switched_off_every_sleep_copies_everything(lane_tree, lane, fake, monkeypatch):
+    monkeypatch.setenv("VLLM_CUMEM_SKIP_UNCHANGED", "0")
+    alloc = make_alloc(lane_tree, lane, fake, monkeypatch)
+    assert alloc.skip_unchanged is None
+    addrs = loaded(fake, alloc)
+    for _ in range(2):
+        assert cycle(alloc, fake) == weights(addrs)
+        assert (alloc.last_sleep_copied_bytes, alloc.last_sleep_skipped_bytes) == (WEIGHTS, 0)
+        assert all(d.cpu_backup_tensor is None for d in alloc.pointer_to_data.values())
+
+
+def test_level_2_drops_the_kept_backups_and_their_sums(lane_tree, lane, fake, monkeypatch):
+    alloc = make_alloc(lane_tree, lane, fake, monkeypatch)
+    addrs = loaded(fake, alloc)
+    cycle(alloc, fake)
+    assert set(alloc.skip_unchanged.stored) == set(weights(addrs))
+    alloc.sleep(offload_tags=())  # level 2: the weights are discarded
+    assert alloc.skip_unchanged.stored == {}
+    assert all(d.cpu_backup_tensor is None for d in alloc.pointer_to_data.values())
+    alloc.wake_up()
+    for a in weights(addrs):  # fresh memory: the kept backup was not restored
+        assert bytes(fake.memory[a]) == b"\xa5" * len(fake.memory[a])
+    assert cycle(alloc, fake) == weights(addrs)  # and the next sleep copies them all
+
+
+def test_a_failed_sleep_drops_the_sums(lane_tree, lane, fake, monkeypatch):
+    alloc = make_alloc(lane_tree, lane, fake, monkeypatch)
+    addrs = loaded(fake, alloc)
+    cycle(alloc, fake)
+    fake.memory[weights(addrs)[2]][0] ^= 0xFF
+    data = snapshot(fake, weights(addrs))
+    fake.fail_unmap_at = fake.unmap_calls + 3
+    with pytest.raises(RuntimeError, match="sleep failed"):
+        alloc.sleep(offload_tags=("weights",))
+    fake.fail_unmap_at = None
+    gc.collect()
+    assert alloc.skip_unchanged.stored == {}
+    assert snapshot(fake, weights(addrs)) == data  # rolled back: mapped with their bytes
+    assert cycle(alloc, fake) == weights(addrs)  # nothing is trusted: every weight copied
+    assert snapshot(fake, weights(addrs)) == data
+
+
+def test_a_freed_allocation_loses_its_sum_and_a_new_one_at_its_address_is_copied(
+        lane_tree, lane, fake, monkeypatch):
+    alloc = make_alloc(lane_tree, lane, fake, monkeypatch)
+    addrs = loaded(fake, alloc)
+    cycle(alloc, fake)
+    gone = weights(addrs)[0]
+    size = len(fake.memory[gone])
+    fake.my_free(alloc, gone)
+    assert gone not in alloc.skip_unchanged.stored
+    alloc.current_tag = "weights"  # PyTorch hands the same address out again
+    alloc.python_malloc_callback((0, size, gone, gone + 1))
+    alloc.current_tag = "default"
+    fake._map(gone, size)
+    assert cycle(alloc, fake) == [gone]
+
+
+def test_the_transactions_across_ranks_skip_too(lane_tree, lane, fake, monkeypatch):
+    """prepare_sleep/commit_sleep (the cross-rank sleep) skip what is unchanged, and an
+    aborted sleep drops the sums of the backups it lets go."""
+    alloc = make_alloc(lane_tree, lane, fake, monkeypatch)
+    addrs = loaded(fake, alloc)
+    cycle(alloc, fake)
+    del fake.copied[:]
+    prepared = alloc.prepare_sleep(("weights",))
+    assert fake.copied == [] and alloc.last_sleep_skipped_bytes == WEIGHTS
+    alloc.abort_sleep(prepared)
+    assert alloc.skip_unchanged.stored == {}
+    prepared = alloc.prepare_sleep(("weights",))
+    assert fake.copied == weights(addrs)
+    alloc.commit_sleep(prepared)
+    alloc.wake_up()
+    del fake.copied[:]
+    alloc.commit_sleep(alloc.prepare_sleep(("weights",)))
+    assert fake.copied == []
+
+
+def test_a_failed_wake_keeps_the_sums(lane_tree, lane, fake, monkeypatch):
+    alloc = make_alloc(lane_tree, lane, fake, monkeypatch)
+    addrs = loaded(fake, alloc)
+    data = snapshot(fake, weights(addrs))
+    alloc.sleep(offload_tags=("weights",))
+    fake.fail_map_at = fake.map_calls + 2
+    with pytest.raises(RuntimeError):
+        alloc.wake_up()
+    fake.fail_map_at = None
+    alloc.wake_up()  # the retry restores from the backups the sums describe
+    assert snapshot(fake, weights(addrs)) == data
+    assert cycle(alloc, fake) == []
+
+
+def test_with_the_backup_pool_the_spans_stay_with_their_allocations(lane_tree, lane, fake, monkeypatch):
+    monkeypatch.delenv("VLLM_SM12X_BACKUP_POOL", raising=False)
+    alloc = make_alloc(lane_tree, lane, fake, monkeypatch, pool=True)
+    addrs = loaded(fake, alloc)
+    pool = alloc.backup_pool
+    data = snapshot(fake, weights(addrs))
+    assert cycle(alloc, fake) == weights(addrs)
+    assert pool.in_use() == WEIGHTS and pool.fallback_bytes == 0  # kept through the wake
+    assert cycle(alloc, fake) == [] and pool.in_use() == WEIGHTS
+    assert snapshot(fake, weights(addrs)) == data
+    alloc.sleep(offload_tags=())  # level 2: the kept spans go back, the pool is released
+    gc.collect()
+    assert pool.in_use() == 0 and pool.capacity() == 0
+
+
+@pytest.mark.parametrize("lane", ["0.33.0"])
+def test_discard_drops_the_kept_backup(lane_tree, lane, fake, monkeypatch):
+    alloc = make_alloc(lane_tree, lane, fake, monkeypatch)
+    addrs = loaded(fake, alloc)
+    cycle(alloc, fake)
+    alloc.discard(("weights",))
+    assert alloc.skip_unchanged.stored == {}
+    assert all(alloc.pointer_to_data[a].cpu_backup_tensor is None for a in weights(addrs))
+    alloc.wake_up()
+    assert all(bytes(fake.memory[a]) == b"\xa5" * len(fake.memory[a]) for a in weights(addrs))
+
+
+# --- 0.21.0: no fixed cost per rank -------------------------------------------------------
+
+
+def calls_in(tree: Path, qualname: str) -> list[str]:
+    """The names called in a function of vllm/v1/worker/gpu_worker.py, in order."""
+    module = ast.parse((tree / "vllm/v1/worker/gpu_worker.py").read_text())
+    cls, func = qualname.split(".")
+    body = next(n for n in module.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    fn = next(n for n in body.body if isinstance(n, ast.FunctionDef) and n.name == func)
+    return [n.func.id for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+
+
+def test_the_0_21_0_worker_freezes_its_heap_as_0_33_0s_does(lane_tree):
+    """CuMemAllocator.sleep ends with gc.collect(): 0.44-0.47 s in each TP >= 2 worker
+    of 0.21.0, whose heap nothing froze (docs/results.md). 0.33.0's worker freezes it
+    after warm-up; the patched 0.21.0 worker does the same, the pristine one does not."""
+    assert "freeze_gc_heap" in calls_in(lane_tree("0.33.0", "pinned"), "Worker._compile_or_warm_up_model")
+    where = "Worker.compile_or_warm_up_model"
+    assert "freeze_gc_heap" not in calls_in(lane_tree("0.21.0", "pinned"), where)
+    assert "freeze_gc_heap" in calls_in(lane_tree("0.21.0", "patched"), where)
+
+
+def test_the_wake_takes_no_checksum_and_no_synchronize(lane_tree, lane, fake, monkeypatch):
+    alloc = make_alloc(lane_tree, lane, fake, monkeypatch)
+    loaded(fake, alloc)
+    cycle(alloc, fake)
+    alloc.sleep(offload_tags=("weights",))
+    monkeypatch.setattr(alloc.skip_unchanged, "unchanged", lambda *a: pytest.fail("a checksum at wake"))
+    del fake.events[:]
+    alloc.wake_up()
+    assert fake.syncs() == []
