@@ -616,7 +616,7 @@ def test_the_gates_command_runs_from_a_checkout_without_docker_or_hcl2(gate_chec
     done = _gate_command(checkout, cwd, *other, "--vllm-path", str(install))
     assert done.returncode == 3 and "--lane 0.33.0 disagrees with the vLLM under test" in done.stderr, done.stderr
     done = _gate_command(checkout, cwd, *nomad.gate_args("allocator", manifest(), "w"))
-    assert done.returncode == 2 and "no vLLM is installed in this Python" in done.stderr, done.stderr
+    assert done.returncode == 12 and "no vLLM is installed in this Python" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
 
 

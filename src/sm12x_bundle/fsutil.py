@@ -506,6 +506,9 @@ def write_versions(
     fresh = [not holds(v.folder, v.files) for v in versions]
     check_destinations(into + [Destination(v.folder, "replace", what) for v, new in zip(versions, fresh) if new], force)
     claimed = [d.path for d in into if d.how == "into" and _claimable(d)]
+    for destination in into:
+        if destination.how == "into":
+            readable_folders(destination.path, destination.what)
     with contextlib.ExitStack() as stack:
         for i, (version, new) in enumerate(zip(versions, fresh)):
             folder = version.folder
@@ -519,6 +522,25 @@ def write_versions(
     for path, spec in pointers:
         write_file(path, spec.data)
         os.utime(path, (spec.mtime, spec.mtime))
+
+
+def readable_folders(folder: Path, what: str) -> None:
+    """Create ``folder`` and the folders above it that are missing, each 0755 whatever the
+    umask (a container's user reads overlays through them); a folder of ours already there
+    is made 0755 too, one of someone else's is left as it is."""
+    missing = []
+    above = folder.absolute()
+    while not os.path.lexists(above) and above != above.parent:
+        missing.append(above)
+        above = above.parent
+    try:
+        for path in reversed(missing):
+            path.mkdir(exist_ok=True)
+            os.chmod(path, 0o755)
+        if is_ours(folder) and _mode(folder) != 0o755:
+            os.chmod(folder, 0o755)
+    except OSError as exc:
+        raise environment_problem(exc, f"create the {what} {folder}") from None
 
 
 def _claimable(destination: Destination) -> bool:
@@ -567,14 +589,14 @@ def _new_staging(parent: Path, name: str, kind: str) -> tuple[Path, int]:
     return path, fd
 
 
-def remove_leftovers(dest: Path) -> list[Path]:
+def remove_leftovers(dest: Path, kinds: tuple[str, ...] = _STAGING_KINDS) -> list[Path]:
     """Remove staging folders of ``dest`` left by a run that died: ours (marked) and
     locked by no live run. Return what was removed."""
     removed = []
-    for kind in _STAGING_KINDS:
+    for kind in kinds:
         for path in dest.parent.glob(f".{dest.name}.{kind}-*"):
-            if path.is_symlink() or not path.is_dir():
-                continue
+            if path.is_symlink() or not path.is_dir() or path.stat().st_uid != os.geteuid():
+                continue  # another user's (a shared temp folder): never ours to remove
             if not is_ours(path):  # made, then killed before its marker: empty, so rmdir is safe
                 with contextlib.suppress(OSError):
                     path.rmdir()
@@ -721,3 +743,35 @@ def pause(point: str) -> None:
         return
     Path(os.environ["SM12X_TEST_PAUSE_FILE"]).write_text(f"{os.getpid()}\n")
     time.sleep(60)
+
+
+# --- scratch folders in $TMPDIR ---------------------------------------------------------
+
+
+@contextlib.contextmanager
+def temp_folder(prefix: str) -> Iterator[str]:
+    """A scratch folder in the temp folder, removed when the block ends (an exception,
+    Ctrl-C or SIGTERM included: cli.main turns SIGTERM into KeyboardInterrupt). It is locked
+    and marked while in use, so a run killed with SIGKILL leaves a folder the next run that
+    asks for one of the same ``prefix`` removes (remove_dead_temps)."""
+    remove_dead_temps(prefix)
+    try:
+        parent = Path(tempfile.gettempdir())
+    except (OSError, FileNotFoundError) as exc:
+        raise EnvironmentProblem(f"cannot make a scratch folder: no usable temp folder ({exc}); set TMPDIR") from None
+    path, fd = _new_staging(parent, prefix.rstrip("-"), "tmp")
+    try:
+        yield os.fspath(path)
+    finally:
+        discard(path)
+        os.close(fd)
+
+
+def remove_dead_temps(prefix: str) -> list[Path]:
+    """Remove scratch folders of ``prefix`` that a killed run left in the temp folder:
+    marked and locked by no live run."""
+    try:
+        parent = Path(tempfile.gettempdir())
+    except (OSError, FileNotFoundError):
+        return []
+    return remove_leftovers(parent / prefix.rstrip("-"), kinds=("tmp",))

@@ -47,5 +47,7 @@ NOMAD = Command(
     "example: sm12x-bundle nomad --manifest nomad/example-manifest.json --out nomad",
     _arguments,
     run,
-    {9: "the generated HCL does not parse back (a bug in sm12x-bundle)", 11: None},
+    {9: "the generated HCL does not parse back (a bug in sm12x-bundle)", 11: None,
+     12: "this machine stands in the way: a job's target has no overlay manifest here (run 'overlay' "
+     "first, or give --manifest), or a path it cannot read or write"},
 )

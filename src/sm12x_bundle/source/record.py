@@ -224,8 +224,11 @@ def _copy_entry(src: Path, dst: Path, stamp: str, content: str) -> None:
     if hashlib.sha256(data).hexdigest() != content:
         raise FetchError(f"the cached tree's file {src} changed since it was checked: refusing to copy it "
                          "(run again to check and re-extract the tree)")
-    with open(dst, "xb") as fh:
-        fh.write(data)
+    try:
+        with open(dst, "xb") as fh:
+            fh.write(data)
+    except OSError as exc:  # named by the file that could not be written (a full disk)
+        raise OSError(exc.errno, exc.strerror, os.fspath(dst)) from None
     os.chmod(dst, int(stamp.split(" ", 1)[0]) & 0o777)
     os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
 
