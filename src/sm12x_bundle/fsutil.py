@@ -186,7 +186,11 @@ def refuse_protected(path: str | os.PathLike[str], what: str = "output folder") 
     """Refuse '', the working directory, home, the root, the system's top-level folders and
     the folders above the working directory or home (even with --force); return the path as given."""
     raw = os.fspath(path)
-    target = Path(raw).resolve()
+    try:
+        target = Path(raw).resolve()
+    except (RuntimeError, OSError):  # RuntimeError: pathlib's word for ELOOP before Python 3.13
+        raise OutputError(f"the {what} {raw!r} goes through a loop of symbolic links: refused; "
+                          "name a folder whose path resolves") from None
     cwd = Path.cwd().resolve()
     if raw.strip() == "":
         where = "an empty path"
@@ -715,7 +719,6 @@ def _swap_locked(staging: Path, dest: Path) -> None:
             os.replace(old / "x", dest)
             shutil.rmtree(old, ignore_errors=True)
             raise
-        pause("old-output-deleting")
         discard(old)
     finally:
         os.close(fd)
@@ -732,6 +735,7 @@ def discard(folder: Path) -> None:
         else:
             with contextlib.suppress(OSError):
                 entry.unlink()
+    pause("leftover-deleting")
     shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -761,6 +765,7 @@ def temp_folder(prefix: str) -> Iterator[str]:
         raise EnvironmentProblem(f"cannot make a scratch folder: no usable temp folder ({exc}); set TMPDIR") from None
     path, fd = _new_staging(parent, prefix.rstrip("-"), "tmp")
     try:
+        pause("scratch-folder")
         yield os.fspath(path)
     finally:
         discard(path)
