@@ -393,11 +393,14 @@ def test_a_deleted_working_directory_is_exit_12(world):
     assert "Traceback" not in done.stderr
 
 
-def test_no_usable_temp_folder_in_a_command_is_exit_12(world, capsys, monkeypatch):
+@pytest.mark.parametrize("scratch", ["temp_folder", "mkdtemp"])
+def test_no_usable_temp_folder_in_a_command_is_exit_12(world, capsys, monkeypatch, scratch):
     monkeypatch.setattr(tempfile, "tempdir", None)
     monkeypatch.setattr(tempfile, "_candidate_tempdir_list", lambda: [str(world / "absent")])
 
     def series_with_scratch(ctx, args):  # a command that asks for a scratch folder, as overlay does
+        if scratch == "mkdtemp":  # as other steps do, through Python's own tempfile
+            tempfile.mkdtemp()
         with fsutil.temp_folder("sm12x-native-"):
             return 0
 

@@ -759,10 +759,7 @@ def temp_folder(prefix: str) -> Iterator[str]:
     and marked while in use, so a run killed with SIGKILL leaves a folder the next run that
     asks for one of the same ``prefix`` removes (remove_dead_temps)."""
     remove_dead_temps(prefix)
-    try:
-        parent = Path(tempfile.gettempdir())
-    except (OSError, FileNotFoundError) as exc:
-        raise EnvironmentProblem(f"cannot make a scratch folder: no usable temp folder ({exc}); set TMPDIR") from None
+    parent = Path(tempfile.gettempdir())  # none usable: cli.main says so (exit 12)
     path, fd = _new_staging(parent, prefix.rstrip("-"), "tmp")
     try:
         pause("scratch-folder")
@@ -777,6 +774,6 @@ def remove_dead_temps(prefix: str) -> list[Path]:
     marked and locked by no live run."""
     try:
         parent = Path(tempfile.gettempdir())
-    except (OSError, FileNotFoundError):
+    except OSError:  # no usable temp folder: temp_folder's own call says so
         return []
     return remove_leftovers(parent / prefix.rstrip("-"), kinds=("tmp",))
