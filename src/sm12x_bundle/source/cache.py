@@ -66,16 +66,17 @@ def refuse_untrusted(folder: Path, cache: Path) -> None:
     its locks folder) owned by another user or writable by group or others is refused
     (EnvironmentProblem, exit 12), and so is a link where the locks folder goes."""
     try:
-        st = os.lstat(folder)
-    except FileNotFoundError:
+        link = stat.S_ISLNK(os.lstat(folder).st_mode)
+        st = os.stat(folder)
+    except FileNotFoundError:  # absent (made below), or a link that leads nowhere (writing says so)
         return
     except OSError as exc:
         raise unusable(cache, exc) from None
-    if stat.S_ISLNK(st.st_mode) and folder != cache:
+    if link and folder != cache:
         raise EnvironmentProblem(f"cannot use the cache folder {cache}: {folder} is a link, which the cache never "
                                  f"holds: refused; remove it, or {_HINT}")
-    if stat.S_ISLNK(st.st_mode):
-        st = os.stat(folder)
+    if not stat.S_ISDIR(st.st_mode):
+        return  # a file or device where the folder goes: writing(cache) names it
     if st.st_uid != os.geteuid():
         raise EnvironmentProblem(f"cannot use the cache folder {cache}: {folder} belongs to user {st.st_uid}, not to "
                                  f"this user ({os.geteuid()}), who alone may write the cache: refused; {_HINT}")
