@@ -472,3 +472,10 @@ def test_overlay_folders_are_readable_whatever_the_umask(tmp_path):
     modes = {p.relative_to(tmp_path).as_posix(): p.stat().st_mode & 0o777 for p in (tmp_path / "ov").rglob("*") if p.is_dir()}
     assert modes == {"ov/t": 0o755, "ov/t/v1": 0o755, "ov/t/v1/files": 0o755}
     assert (tmp_path / "ov").stat().st_mode & 0o777 == 0o755
+
+
+def test_build_refuses_an_output_folder_inside_the_series_folder_before_its_first_step(world, capsys):
+    config = _config(world, f"output:\n  dir: {world / 'series' / 'build'}\n")
+    before = record(world)
+    judged(capsys, run_main(["build", "-q", "--config", config]), 11, "is inside the series folder")
+    assert differences(before, record(world)) == []
