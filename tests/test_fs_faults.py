@@ -474,8 +474,9 @@ def test_overlay_folders_are_readable_whatever_the_umask(tmp_path):
     assert (tmp_path / "ov").stat().st_mode & 0o777 == 0o755
 
 
-def test_build_refuses_an_output_folder_inside_the_series_folder_before_its_first_step(world, capsys):
-    config = _config(world, f"output:\n  dir: {world / 'series' / 'build'}\n")
+def test_build_refuses_an_output_folder_inside_the_cache_before_its_first_step(world, capsys):
+    """The lane's tree is local, so only build's own check of every output knows the cache."""
+    config = _config(world, f"output:\n  dir: {world / 'cache' / 'build'}\n")
     before = record(world)
-    judged(capsys, run_main(["build", "-q", "--config", config]), 11, "is inside the series folder")
+    judged(capsys, run_main(["build", "-q", "--config", config]), 11, "is inside the cache folder")
     assert differences(before, record(world)) == []
