@@ -113,7 +113,7 @@ SYMLINK_PATCH = make_patch({"vllm/evil_link.py": (None, "/etc/passwd\n")}).repla
 )
 UNDER_A_FILE_PATCH = make_patch({"vllm/__init__.py/evil.py": (None, "x = 1\n")})
 GOOD_PATCH = make_patch({"vllm/sm12x_hostile_probe.py": (None, "x = 1\n")})
-TMPFS_RO = "mount -t tmpfs -o ro,size=64k tmpfs {W}/ro"
+TMPFS_RO = "mount -t tmpfs -o ro,size=64k,mode=755 tmpfs {W}/ro"  # 755: not a cache others may write
 TMPFS_FULL = "mount -t tmpfs -o size=64k tmpfs {W}/full && { cat /dev/zero > {W}/full/fill; } 2>/dev/null; true"
 RO_BIND = "mount --bind {W}/ro {W}/ro && mount -o remount,bind,ro {W}/ro"
 LIST = "find {W}/%s -mindepth 1 -printf '%%P %%s\\n' | sort"

@@ -12,6 +12,7 @@ from .progress import Progress
 from .series.lane import Lane, nearest_at_or_below
 from .series.lane import shipped_series as shipped_lane_series
 from .series.patch import load_series
+from .source.cache import cache_dir
 from .source.pin import Pin, SourceTree, resolve_source
 
 
@@ -69,6 +70,18 @@ class Context:
         if lane is None:
             raise BundleError(f"--lane {version}: the configuration has no such lane (its lanes: {self.lane_versions})")
         return lane
+
+    def inputs(self) -> list[tuple[str, Path | None]]:
+        """The folders and files every run of this config reads (the cache, each lane's local
+        source and series folder), each named for a sentence: no output may lie inside one,
+        nor one inside an output (fsutil.refuse_overlap)."""
+        found: list[tuple[str, Path | None]] = [("cache folder", self.cache_dir or cache_dir())]
+        for lane in self.config.lanes:
+            if lane.source:
+                found.append(("pin source", self.config.resolve(lane.source)))
+            series = self.config.series_path(lane)
+            found.append(("series folder", series.parent if series is not None else None))
+        return found
 
     def source(self, version: str | None = None) -> SourceTree:
         """A lane's pinned tree (None: the first lane's), or any other release fetched the

@@ -113,3 +113,17 @@ def _copy_failures(exc: OSError) -> list[tuple[str, str, str]]:
     """shutil.Error's entries (source, destination, why), or [] for any other OSError."""
     entries = exc.args[0] if exc.args and isinstance(exc.args[0], list) else []
     return [e for e in entries if isinstance(e, tuple) and len(e) == 3]
+
+
+# What a terminal takes as a command, not text: C0 controls but newline and tab (ESC starts
+# the sequences that move the cursor, retitle the window or rewrite the screen), DEL, C1
+# controls (0x9b is a one-byte CSI), the bidirectional overrides that reorder what is shown,
+# the line separators and lone surrogates.
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+def sanitize(text: str) -> str:
+    """``text`` safe to print to a terminal: every control character a patch subject, a file
+    name or a tree's text may carry is shown as its escape (``\\x1b``), never sent raw.
+    Progress lines and error messages go through it."""
+    return _UNPRINTABLE.sub(lambda m: repr(m.group())[1:-1] if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}", text)

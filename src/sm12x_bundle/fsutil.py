@@ -19,6 +19,7 @@ import re
 import shutil
 import stat
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,7 +186,11 @@ def refuse_protected(path: str | os.PathLike[str], what: str = "output folder") 
     """Refuse '', the working directory, home, the root, the system's top-level folders and
     the folders above the working directory or home (even with --force); return the path as given."""
     raw = os.fspath(path)
-    target = Path(raw).resolve()
+    try:
+        target = Path(raw).resolve()
+    except (RuntimeError, OSError):  # RuntimeError: pathlib's word for ELOOP before Python 3.13
+        raise OutputError(f"the {what} {raw!r} goes through a loop of symbolic links: refused; "
+                          "name a folder whose path resolves") from None
     cwd = Path.cwd().resolve()
     if raw.strip() == "":
         where = "an empty path"
@@ -204,6 +209,61 @@ def refuse_protected(path: str | os.PathLike[str], what: str = "output folder") 
     else:
         return Path(raw)
     raise OutputError(f"the {what} {raw!r} is {where}: refused, even with --force; name a folder of its own")
+
+
+# Folders whose contents the system and its services own: --force never replaces a folder
+# inside one (/var/lib/docker, /usr/local/lib, /etc/ssl). /opt, /srv, /mnt and /tmp are where
+# operators put things of their own, so a folder inside them may be forced.
+SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/proc", "/root", "/run", "/sbin", "/sys", "/usr", "/var/lib",
+                "/var/log", "/var/run", "/var/spool")
+
+
+def _under(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def _home_folders() -> list[Path]:
+    """This user's home folder and every folder in /home (each somebody's home)."""
+    homes = [Path.home().resolve()]
+    with contextlib.suppress(OSError):
+        homes += [p.resolve() for p in Path("/home").iterdir() if p.is_dir()]
+    return homes
+
+
+def forced_problem(target: Path) -> str | None:
+    """Why --force must not replace the (resolved) folder ``target``, in words after 'is';
+    None: it may. A folder inside a system folder, a home folder or one of its dot folders
+    (~/.ssh, ~/.config and all inside them): what they hold is never the tool's to delete."""
+    for home in _home_folders():
+        if target == home:
+            return "a home folder"
+        if home in target.parents and target.relative_to(home).parts[0].startswith("."):
+            return f"inside the dot folder {home / target.relative_to(home).parts[0]}"
+    for folder in SYSTEM_TREES:
+        if _under(target, Path(folder)) and not _under(target, Path.home().resolve()):  # root's home is /root
+            return f"inside the system folder {folder}"
+    if target.parent == Path(target.anchor) and target.name.startswith("lib"):
+        return f"the system folder {target}"
+    if len(target.parts) > 1 and target.parts[1].startswith("lib") and target.parent != Path(target.anchor):
+        return f"inside the system folder /{target.parts[1]}"
+    return None
+
+
+def refuse_overlap(output: Path, inputs: Iterable[tuple[str, Path | None]], what: str = "output folder") -> None:
+    """An output inside a folder the run reads (the cache, a source tree, the series folder)
+    would be copied into itself, and an input inside the output is deleted by replacing it:
+    both are refused before anything is written (OutputError), naming both paths."""
+    out = Path(os.path.realpath(output))
+    for name, path in inputs:
+        if path is None:
+            continue
+        src = Path(os.path.realpath(path))
+        if _under(out, src):
+            raise OutputError(f"the {what} {output} is inside the {name} {path}, which this run reads: refused; "
+                              "choose a folder outside it")
+        if _under(src, out):
+            raise OutputError(f"the {name} {path}, which this run reads, is inside the {what} {output}: refused; "
+                              "choose another folder")
 
 
 def _first_existing(path: Path) -> Path:
@@ -236,6 +296,9 @@ def check_replaceable(dest: Path, force: bool = False, what: str = "output folde
         return
     _refuse_immovable(dest, what)
     if force:
+        problem = forced_problem(Path(os.path.realpath(dest.absolute().parent)) / dest.name)
+        if problem:
+            raise OutputError(f"the {what} {dest} is {problem}: refused, even with --force; name a folder of its own")
         return
     if dest.is_symlink() or not dest.is_dir():
         raise OutputError(
@@ -447,6 +510,9 @@ def write_versions(
     fresh = [not holds(v.folder, v.files) for v in versions]
     check_destinations(into + [Destination(v.folder, "replace", what) for v, new in zip(versions, fresh) if new], force)
     claimed = [d.path for d in into if d.how == "into" and _claimable(d)]
+    for destination in into:
+        if destination.how == "into":
+            readable_folders(destination.path, destination.what)
     with contextlib.ExitStack() as stack:
         for i, (version, new) in enumerate(zip(versions, fresh)):
             folder = version.folder
@@ -460,6 +526,25 @@ def write_versions(
     for path, spec in pointers:
         write_file(path, spec.data)
         os.utime(path, (spec.mtime, spec.mtime))
+
+
+def readable_folders(folder: Path, what: str) -> None:
+    """Create ``folder`` and the folders above it that are missing, each 0755 whatever the
+    umask (a container's user reads overlays through them); a folder of ours already there
+    is made 0755 too, one of someone else's is left as it is."""
+    missing = []
+    above = folder.absolute()
+    while not os.path.lexists(above) and above != above.parent:
+        missing.append(above)
+        above = above.parent
+    try:
+        for path in reversed(missing):
+            path.mkdir(exist_ok=True)
+            os.chmod(path, 0o755)
+        if is_ours(folder) and _mode(folder) != 0o755:
+            os.chmod(folder, 0o755)
+    except OSError as exc:
+        raise environment_problem(exc, f"create the {what} {folder}") from None
 
 
 def _claimable(destination: Destination) -> bool:
@@ -508,13 +593,18 @@ def _new_staging(parent: Path, name: str, kind: str) -> tuple[Path, int]:
     return path, fd
 
 
-def remove_leftovers(dest: Path) -> list[Path]:
+def remove_leftovers(dest: Path, kinds: tuple[str, ...] = _STAGING_KINDS) -> list[Path]:
     """Remove staging folders of ``dest`` left by a run that died: ours (marked) and
     locked by no live run. Return what was removed."""
     removed = []
-    for kind in _STAGING_KINDS:
+    for kind in kinds:
         for path in dest.parent.glob(f".{dest.name}.{kind}-*"):
-            if path.is_symlink() or not path.is_dir() or not is_ours(path):
+            if path.is_symlink() or not path.is_dir() or path.stat().st_uid != os.geteuid():
+                continue  # another user's (a shared temp folder): never ours to remove
+            if not is_ours(path):  # made, then killed before its marker: empty, so rmdir is safe
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+                    removed.append(path)
                 continue
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -526,7 +616,7 @@ def remove_leftovers(dest: Path) -> list[Path]:
                 os.close(fd)
                 continue  # a concurrent run is using it
             try:
-                shutil.rmtree(path, ignore_errors=True)
+                discard(path)
                 removed.append(path)
             finally:
                 os.close(fd)
@@ -629,6 +719,61 @@ def _swap_locked(staging: Path, dest: Path) -> None:
             os.replace(old / "x", dest)
             shutil.rmtree(old, ignore_errors=True)
             raise
-        shutil.rmtree(old, ignore_errors=True)
+        discard(old)
     finally:
         os.close(fd)
+
+
+def discard(folder: Path) -> None:
+    """Delete a marked leftover folder, its marker last: a run killed while deleting it leaves
+    it marked, so the next run knows it for its own and finishes the job."""
+    for entry in list(folder.iterdir()):
+        if entry.name == MARKER:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                entry.unlink()
+    pause("leftover-deleting")
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+# For the tests only: SM12X_TEST_PAUSE_AT=<point> makes the run write its pid to
+# $SM12X_TEST_PAUSE_FILE and sleep at that point, so a test can kill it there (SIGKILL).
+# Unset (always, outside the tests), it does nothing.
+def pause(point: str) -> None:
+    if os.environ.get("SM12X_TEST_PAUSE_AT") != point:
+        return
+    Path(os.environ["SM12X_TEST_PAUSE_FILE"]).write_text(f"{os.getpid()}\n")
+    time.sleep(60)
+
+
+# --- scratch folders in $TMPDIR ---------------------------------------------------------
+
+
+@contextlib.contextmanager
+def temp_folder(prefix: str) -> Iterator[str]:
+    """A scratch folder in the temp folder, removed when the block ends (an exception,
+    Ctrl-C or SIGTERM included: cli.main turns SIGTERM into KeyboardInterrupt). It is locked
+    and marked while in use, so a run killed with SIGKILL leaves a folder the next run that
+    asks for one of the same ``prefix`` removes (remove_dead_temps)."""
+    remove_dead_temps(prefix)
+    parent = Path(tempfile.gettempdir())  # none usable: cli.main says so (exit 12)
+    path, fd = _new_staging(parent, prefix.rstrip("-"), "tmp")
+    try:
+        pause("scratch-folder")
+        yield os.fspath(path)
+    finally:
+        discard(path)
+        os.close(fd)
+
+
+def remove_dead_temps(prefix: str) -> list[Path]:
+    """Remove scratch folders of ``prefix`` that a killed run left in the temp folder:
+    marked and locked by no live run."""
+    try:
+        parent = Path(tempfile.gettempdir())
+    except OSError:  # no usable temp folder: temp_folder's own call says so
+        return []
+    return remove_leftovers(parent / prefix.rstrip("-"), kinds=("tmp",))

@@ -10,9 +10,11 @@ larger than the limit is refused without being read whole.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 from .errors import BundleError
 
@@ -92,3 +94,23 @@ def decode_utf8(data: bytes, error: type[BundleError], path: Path) -> str:
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         raise error(f"{path} is not UTF-8 text (line {line}, byte {exc.start}: {data[exc.start]:#04x})") from None
+
+
+def parse_json(data: bytes, error: type[BundleError], path: Path, what: str) -> Any:
+    """``data`` (read from ``path``) as JSON, or ``error`` with one sentence: not UTF-8, not
+    JSON (where, never what the file holds), or nested too deeply to read (the parser
+    recurses once per level: a few hundred kilobytes of '[' overflow it)."""
+    text = decode_utf8(data, error, path)
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise error(f"{what} {path} is nested too deeply to read: refused") from None
+    except json.JSONDecodeError as exc:
+        raise error(f"{what} {path} is not JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    except ValueError as exc:  # an integer of more than 4300 digits
+        raise error(f"{what} {path} is not JSON that can be read ({exc})") from None
+
+
+def read_json(path: Path, limit: int, error: type[BundleError], what: str) -> Any:
+    """The JSON document in the regular file ``path`` (at most ``limit`` bytes)."""
+    return parse_json(read_bounded(path, limit, error, what), error, path, what)

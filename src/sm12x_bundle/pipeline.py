@@ -140,6 +140,8 @@ def check_outputs(ctx: Context, steps: list[Step], force: bool = False) -> Path:
     out = fsutil.refuse_protected(ctx.config.output.dir, "output.dir folder")
     if any(s.name == "overlays" for s in steps):
         fsutil.refuse_protected(ctx.config.output.overlays, "overlays folder")
+    for destination in (d for s in steps for d in s.destinations):
+        fsutil.refuse_overlap(destination.path, ctx.inputs(), destination.what)
     fsutil.check_destinations((d for s in steps for d in s.destinations), force)
     return out
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
+from .errors import sanitize
+
 
 class Task:
     def __init__(self, stream: TextIO | None, label: str, total: int | None, tty: bool):
@@ -39,6 +41,7 @@ class Task:
 
     def _line(self, text: str, end: str = "") -> None:
         assert self.stream is not None
+        text = sanitize(text)
         if self.tty:
             self.stream.write("\r\033[K" + text + end)
         elif end or text != getattr(self, "_last", None):
@@ -67,5 +70,5 @@ class Progress:
 
     def say(self, text: str) -> None:
         if self.stream is not None:
-            self.stream.write(text + "\n")
+            self.stream.write(sanitize(text) + "\n")
             self.stream.flush()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 import xml.etree.ElementTree as ET
 
 from collections.abc import Sequence
 
+from ..errors import sanitize
 from ..series.lane import Lane
 from ..series.patch import Patch
 from ..series.status import applied
@@ -34,7 +36,7 @@ def series_table(lanes: Sequence[Lane]) -> str:
             lines.append(f"   upstream: {p.origin} ({_status(p)})")
             lines.extend(f"     {ref} {state}" for ref, state in (p.upstream.refs if p.upstream else ()))
             lines.append(f"   files: {', '.join(p.paths)}" + (f"; rebuilds {p.builds}" if p.builds else ""))
-    return "\n".join(lines) + "\n"
+    return sanitize("\n".join(lines)) + "\n"  # a subject's escape sequences are shown, never obeyed
 
 
 def series_markdown(lanes: Sequence[Lane]) -> str:
@@ -83,7 +85,7 @@ def table(reports: list[VersionReport]) -> str:
     lines.insert(1, "-" * min(100, max(len(x) for x in lines)))
     if details:
         lines += ["", "Conflicts:"] + details
-    return "\n".join(lines) + "\n"
+    return sanitize("\n".join(lines)) + "\n"  # the tree's text may hold escape sequences
 
 
 def to_json(reports: list[VersionReport]) -> str:
@@ -155,5 +157,24 @@ def to_junit(reports: list[VersionReport]) -> str:
                 ET.SubElement(case, "system-out").text = res.summary()
         for key, value in counts.items():
             suite.set(key, str(value))
+    _xml_safe(suites)
     ET.indent(suites)
     return ET.tostring(suites, encoding="unicode", xml_declaration=True) + "\n"
+
+
+# Characters XML 1.0 cannot hold at all, not even escaped (a conflict's text from the tree
+# may carry them): each is written as its Python escape instead.
+_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+
+
+def _xml_text(text: str) -> str:
+    return _NOT_XML.sub(lambda m: repr(m.group())[1:-1] if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}", text)
+
+
+def _xml_safe(root: ET.Element) -> None:
+    """Every text and attribute under ``root`` made writable as XML 1.0."""
+    for element in root.iter():
+        if element.text:
+            element.text = _xml_text(element.text)
+        for key, value in element.attrib.items():
+            element.set(key, _xml_text(value))

@@ -9,18 +9,21 @@ errors and only :func:`main` turns them into a sentence and an exit code.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from .. import __version__, cmd
 from .. import config as config_mod
 from ..context import Context
-from ..errors import BundleError, ToolMismatch, environment_problem, is_environment
+from ..errors import BundleError, EnvironmentProblem, ToolMismatch, environment_problem, is_environment, sanitize
 from ..fingerprint import tool_fingerprint
 from ..progress import Progress
 from .build import BUILD
@@ -128,8 +131,8 @@ def _unexpected(exc: Exception) -> int:
     else:
         saved = _save_trace(trace)
     what = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line, whatever the exception holds
-    print(f"sm12x-bundle: error: unexpected failure, a bug in sm12x-bundle: {what}{where}; the full trace is {saved}",
-          file=sys.stderr)
+    print(sanitize(f"sm12x-bundle: error: unexpected failure, a bug in sm12x-bundle: {what}{where}; the full trace "
+                   f"is {saved}"), file=sys.stderr)
     return BundleError.exit_code
 
 
@@ -146,33 +149,110 @@ def _save_trace(trace: str) -> str:
 def _environment(exc: OSError) -> int:
     """A stray OSError that names a path or is the machine's (a full disk): exit 12, one sentence."""
     what = environment_problem(exc, f"use {exc.filename}" if exc.filename is not None else "go on")
-    print(f"sm12x-bundle: error: {what}", file=sys.stderr)
+    print(f"sm12x-bundle: error: {sanitize(str(what))}", file=sys.stderr)
     return what.exit_code
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the run is, so that it unwinds as Ctrl-C does: every scratch
+    and staging folder is removed on the way out."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """While main runs, SIGTERM raises Terminated (only the main thread may set a handler)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stdout_gone() -> int:
+    """The reader of stdout went away (``sm12x-bundle series | head -1``): nothing is left to
+    say to it, so the run ends quietly with 141, as a program that SIGPIPE ends does. stdout
+    is pointed at /dev/null so that Python's last flush does not complain."""
+    with contextlib.suppress(OSError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    return BROKEN_PIPE
+
+
+BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader left
+
+
+def _working_directory() -> None:
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        raise EnvironmentProblem("the working directory no longer exists (it was deleted): cd to a folder that "
+                                 "exists and run again") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    with _sigterm_unwinds():
+        try:
+            return _main(argv)
+        except BrokenPipeError:
+            return _stdout_gone()
+        except Terminated:
+            print("sm12x-bundle: terminated (SIGTERM)", file=sys.stderr)
+            return 128 + signal.SIGTERM
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
         # A malformed command line exits 2 here, before anything runs; a report path this
         # machine will not let us write raises EnvironmentProblem (exit 12), also before.
         require_tool(argv)
+        _working_directory()
         args = parse_args(parser, argv)
         config = config_mod.load(args.config)
         progress = Progress.quiet() if args.quiet else Progress.stderr()
         with cmd.echo_commands(not args.quiet):
-            return args.run(Context(config, progress), args)
+            code = args.run(Context(config, progress), args)
+        sys.stdout.flush()  # a reader that left is found here, not in Python's last flush
+        return code
     except BundleError as exc:
-        print(f"sm12x-bundle: error: {exc}", file=sys.stderr)
+        print(f"sm12x-bundle: error: {sanitize(str(exc))}", file=sys.stderr)
         return exc.exit_code
+    except Terminated:
+        raise
     except KeyboardInterrupt:
         print("sm12x-bundle: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        raise
     except OSError as exc:  # the last line of defence: each step names its own paths first
+        if _no_temp_folder(exc):
+            return _environment_sentence("no usable temp folder (TMPDIR, /tmp, /var/tmp, the working directory): "
+                                         "set TMPDIR to a folder this user can write")
         if exc.filename is None and not is_environment(exc) and not isinstance(exc, shutil.Error):
             return _unexpected(exc)
         return _environment(exc)
+    except RuntimeError as exc:
+        if str(exc).startswith("Symlink loop"):  # pathlib's word (Python < 3.13) for ELOOP
+            return _environment_sentence(f"a path goes through a loop of symbolic links ({exc}): fix the links")
+        return _unexpected(exc)
     except Exception as exc:  # noqa: BLE001 - a user sees a sentence, never a traceback
         return _unexpected(exc)
+
+
+def _no_temp_folder(exc: OSError) -> bool:
+    return exc.filename is None and "No usable temporary directory" in str(exc)
+
+
+def _environment_sentence(text: str) -> int:
+    print(f"sm12x-bundle: error: cannot go on: {sanitize(text)}", file=sys.stderr)
+    return EnvironmentProblem.exit_code
 
 
 __all__ = ["COMMANDS", "COMMON_CODES", "build_parser", "command_exit_codes", "main"]

@@ -47,5 +47,7 @@ NOMAD = Command(
     "example: sm12x-bundle nomad --manifest nomad/example-manifest.json --out nomad",
     _arguments,
     run,
-    {9: "the generated HCL and API JSON do not read back as the same job (a bug in sm12x-bundle; nothing written)", 11: None},
+    {9: "the generated HCL and API JSON do not read back as the same job (a bug in sm12x-bundle; nothing written)", 11: None,
+     12: "this machine stands in the way: a job's target has no overlay manifest here (run 'overlay' "
+     "first, or give --manifest), or a path it cannot read or write"},
 )

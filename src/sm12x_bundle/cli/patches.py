@@ -11,7 +11,7 @@ from ..checks import check as check_mod
 from ..checks import report
 from ..context import Context
 from ..errors import BundleError
-from ..fsutil import check_replaceable, refuse_protected, write_file
+from ..fsutil import check_replaceable, refuse_overlap, refuse_protected, write_file
 from ..outputs.tree import write_tree
 from ..series.lane import Fix, Lane, known_fixes
 from . import arguments
@@ -115,6 +115,7 @@ CHECK = Command(
 def run_apply(ctx: Context, args: argparse.Namespace) -> int:
     lane = ctx.named_lane(args.lane)
     out = refuse_protected(args.out)
+    refuse_overlap(out, ctx.inputs())
     check_replaceable(out, args.force)  # before any download
     source = ctx.source(lane.version)
     result = write_tree(lane.series, source, out, ctx.config.check.fuzz, args.force)

@@ -41,9 +41,7 @@ examples:
 EXIT_CODES: dict[int, str | None] = {
     0: "every scenario passes (--compare: the pristine tree fails scenarios 1-3, 7-9 and 11-13 and the "
     "patched tree passes every scenario; 9 only guards on vLLM 0.33.0 and later, whose wake_up resumes)",
-    2: "could not run: the command line is malformed, this node lacks what the selftest needs "
-    "(a GPU, the cumem allocator, CUDA or Python headers: the message names it), or an "
-    "unexpected failure (a bug)",
+    2: "could not run: the command line is malformed, or an unexpected failure (a bug)",
     3: "could not run: the configuration is malformed, or a size does not fit this GPU's free memory",
     4: "--compare without trees: the pin could not be fetched or verified",
     5: None,
@@ -51,6 +49,8 @@ EXIT_CODES: dict[int, str | None] = {
     7: "the cumem extension did not build",
     9: "some scenario did not pass (--compare: the fixes are not proven)",
     11: None,
+    12: "this machine stands in the way: it lacks what the selftest needs (for --installed, a vLLM in "
+    "this Python; a GPU, the cumem allocator, CUDA or Python headers: the message names it)",
 }
 
 

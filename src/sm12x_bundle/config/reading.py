@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import types
 import typing
 from pathlib import Path
@@ -169,7 +170,23 @@ def _convert(tp: Any, node: _Node, where: str, origin: str, lines: dict[str, int
         raise ConfigError(f"{at} must be a string: quote it ({value!r} was read as a number)")
     if tp is int and isinstance(value, bool) or not isinstance(value, tp):
         raise ConfigError(f"{at} must be {tp.__name__}, not {type(value).__name__}")
+    problem = _unreadable(value)
+    if problem:
+        raise ConfigError(f"{at}: {problem}")
     return value
+
+
+def _unreadable(value: Any) -> str | None:
+    """What no setting may hold, whatever its key: a float that is not a number (.nan, .inf),
+    a NUL character (no path, name or command line can carry it) or half of a UTF-16 pair
+    ("\\ud800": YAML's escapes allow it, UTF-8 cannot write it)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"must be a finite number, not {value}"
+    if isinstance(value, str) and "\0" in value:
+        return "holds a NUL character (\\0): refused"
+    if isinstance(value, str) and any("\ud800" <= c <= "\udfff" for c in value):
+        return "holds a lone UTF-16 surrogate (an escape such as \\ud800), which is not a character: refused"
+    return None
 
 
 @functools.cache

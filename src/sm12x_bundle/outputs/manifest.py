@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .. import inputs
 from ..errors import VerifyError
 from ..plan.files import InstalledFile
 
@@ -64,10 +65,7 @@ def manifest_bytes(document: dict[str, Any]) -> bytes:
 def load_manifest(path: Path) -> tuple[Path, dict[str, Any]]:
     """The overlay folder and its manifest, from the folder, its manifest.json or current.json."""
     path = path / "manifest.json" if path.is_dir() else path
-    try:
-        manifest = json.loads(path.read_text("utf-8"))
-    except (OSError, ValueError) as exc:
-        raise VerifyError(f"cannot read overlay manifest {path}: {exc}") from None
+    manifest = inputs.read_json(path, 64 * inputs.MIB, VerifyError, "the overlay manifest")
     if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
         raise VerifyError(f"{path} is not an overlay manifest of schema {SCHEMA}")
     folder = path.parent if path.name == "manifest.json" else path.parent / manifest["content_hash"]

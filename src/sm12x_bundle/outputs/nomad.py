@@ -29,7 +29,8 @@ from pathlib import Path
 from urllib.parse import quote
 
 from ..config import Config, JobConfig
-from ..errors import ConfigError, VerifyError
+from .. import inputs
+from ..errors import ConfigError, EnvironmentProblem, VerifyError
 from ..fingerprint import tool_fingerprint
 from ..fsutil import Destination, write_files
 from ..jobs import (
@@ -100,10 +101,7 @@ def _absolute(path: str, what: str) -> None:
 
 def load_manifest(path: Path) -> dict:
     """Read and check one overlay manifest (the schema in docs/design.md)."""
-    try:
-        data = json.loads(path.read_text("utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{path}: not a readable overlay manifest: {exc}") from None
+    data = inputs.read_json(path, 64 * inputs.MIB, ConfigError, "the overlay manifest")
     check_manifest(data, str(path))
     return data
 
@@ -120,7 +118,7 @@ def find_manifests(config: Config, paths: Iterable[Path] = ()) -> dict[str, dict
     for target in sorted({job.target for job in config.jobs} - manifests.keys()):
         path = root / target / "current.json"
         if not path.is_file():
-            raise ConfigError(
+            raise EnvironmentProblem(
                 f"no overlay manifest for target {target!r} at {path}: run 'sm12x-bundle overlay' "
                 "(with the same --config) first, or give --manifest FILE"
             )
@@ -646,7 +644,7 @@ def render_jobs(config: Config, manifests: Mapping[str, Mapping], tool: str | No
     files: dict[str, bytes] = {}
     for job in config.jobs:
         if job.target not in manifests:
-            raise ConfigError(
+            raise EnvironmentProblem(
                 f"{config.origin}: job {job.name!r}: no overlay manifest for target {job.target!r}: "
                 "run 'sm12x-bundle overlay' first"
             )

@@ -19,7 +19,6 @@ from the pinned tree without one). Then:
 from __future__ import annotations
 
 import hashlib
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,7 +94,7 @@ def make_overlay(plan: TargetPlan, progress: Progress) -> Overlay:
     rendered, with its native artifacts built."""
     say_plan(plan, progress)
     records: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="sm12x-native-") as tmp:
+    with fsutil.temp_folder("sm12x-native-") as tmp:
         for n, todo in enumerate(plan.native):
             art = native_build.build_native(
                 todo, plan.side.engine, plan.side.versions, plan.side.label, Path(tmp) / str(n), progress

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from ..checks.check import Outcome, VersionReport, check_tree
 from ..errors import ApplyError
-from ..fsutil import Destination, check_replaceable, copy_tree, replace_dir
+from ..fsutil import Destination, check_replaceable, copy_tree, refuse_overlap, replace_dir
 from ..series.apply import FileText
 from ..series.patch import Series
+from ..source import record
 from ..source.pin import SourceTree
 
 
@@ -49,21 +51,31 @@ def write_tree(series: Series, source: SourceTree, out: Path, fuzz: int = 0, for
     """Write the patched tree to ``out``: all of it, or (on any failure) nothing.
 
     ``out`` must be absent, empty or a previous output of this tool unless ``force``."""
+    refuse_overlap(out, [*source.inputs(), ("series folder", series.file.parent)])
     check_replaceable(out, force)
     report, changes = patched_files(series, source, fuzz)
     with replace_dir(out, force) as staging:
-        copy_tree(source.root, staging)
-        for rel, text in sorted(changes.items()):
-            dest = staging / rel
-            if text is None:
-                dest.unlink()
-                continue
-            original = source.root / rel
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            if dest.exists():
-                dest.unlink()  # never write through a hard link into the cache
-            dest.write_bytes(text.to_bytes())
-            os.chmod(dest, text.mode)
-            stamp = _mtime(original) if original.exists() else float(os.environ.get("SOURCE_DATE_EPOCH", 0))
-            os.utime(dest, (stamp, stamp))
+        if source.recorded:  # each file read once and checked, then applied to from the copy
+            assert source.cache is not None and source.sha256 is not None
+            record.copy_verified(source.root.parent, source.root.name, source.sha256, staging)
+            report, changes = patched_files(series, replace(source, root=staging, cache=None), fuzz)
+        else:
+            copy_tree(source.root, staging)
+        _write_changes(staging, changes)
     return report
+
+
+def _write_changes(staging: Path, changes: dict[str, FileText | None]) -> None:
+    """Write the patched files over their copies in ``staging`` (the copy's mtime + 1)."""
+    for rel, text in sorted(changes.items()):
+        dest = staging / rel
+        if text is None:
+            dest.unlink()
+            continue
+        stamp = _mtime(dest) if dest.is_file() else float(os.environ.get("SOURCE_DATE_EPOCH", 0))
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if dest.exists():
+            dest.unlink()  # never write through a hard link into the cache
+        dest.write_bytes(text.to_bytes())
+        os.chmod(dest, text.mode)
+        os.utime(dest, (stamp, stamp))

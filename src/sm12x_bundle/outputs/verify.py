@@ -10,12 +10,12 @@ recorded pre-images, and host copies that differ from the manifest.
 from __future__ import annotations
 
 import json
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import fsutil
 from ..containers import Engine, Mount
 from ..errors import VerifyError
 from ..plan.files import module_name, read_or_none, sha256_of
@@ -225,7 +225,7 @@ def verify_overlay(engine: Engine, folder: Path, image: str | None = None) -> Ve
     engine.image_id(ref)
     originals = check_pre_images(engine, ref, manifest)
     check_host_copies(folder, manifest)
-    with tempfile.TemporaryDirectory(prefix="sm12x-verify-") as tmp:
+    with fsutil.temp_folder("sm12x-verify-") as tmp:
         mounts, spec = verify_plan(folder, manifest, Path(tmp))
         env = {"PYTHONPYCACHEPREFIX": _PYCACHE}
         code, out = engine.run(

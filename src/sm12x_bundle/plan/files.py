@@ -13,13 +13,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import posixpath
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import native
+from .. import fsutil, native
 from ..checks.check import Conflict, Outcome, classify
 from ..containers import VERSION_KEYS as _PROBED
 from ..containers import ImageFile
@@ -183,7 +182,7 @@ def patch_image_files(
 
     A patched file keeps the mode the image gives it (the tree reads it back from disk);
     a file the series creates takes the mode its patch names."""
-    with tempfile.TemporaryDirectory(prefix="sm12x-overlay-") as tmp:
+    with fsutil.temp_folder("sm12x-overlay-") as tmp:
         for path, original in originals.items():
             if original is not None:
                 dest = Path(tmp) / path

@@ -20,7 +20,7 @@ from pathlib import Path
 import sm12x_bundle
 
 from .. import cmd, native
-from ..errors import BundleError, CommandError, VerifyError
+from ..errors import BundleError, CommandError, EnvironmentProblem, VerifyError
 from .plan import Scenario, Sizes, Target
 from .report import ERROR, ScenarioResult
 
@@ -66,12 +66,12 @@ def stage(
 def _stage_installed(target: Target) -> Staged:
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
-        raise BundleError("no vLLM is installed in this Python (" + sys.executable + "): give --tree")
+        raise EnvironmentProblem("no vLLM is installed in this Python (" + sys.executable + "): give --tree")
     pkg = Path(next(iter(spec.submodule_search_locations)))
     cumem_py = pkg / "device_allocator" / "cumem.py"
     exts = sorted(pkg.glob("cumem_allocator*.so"))
     if not cumem_py.is_file() or not exts:
-        raise BundleError(f"the vLLM installed at {pkg} has no cumem allocator (cumem.py and cumem_allocator*.so)")
+        raise EnvironmentProblem(f"the vLLM installed at {pkg} has no cumem allocator (cumem.py and cumem_allocator*.so)")
     return Staged(target, cumem_py, exts[0], None)
 
 
@@ -133,7 +133,7 @@ def probe(staged: Staged, work: Path, *, timeout: float = 300, run: Callable | N
     if doc is None:
         raise BundleError(f"{_where(staged)}: the probe process died before it reported:\n{tail}")
     if doc.get("outcome") != "pass":
-        raise BundleError(f"{_where(staged)}: {doc.get('reason', 'the probe failed')}")
+        raise EnvironmentProblem(f"{_where(staged)}: {doc.get('reason', 'the probe failed')}")
     return doc["figures"]
 
 

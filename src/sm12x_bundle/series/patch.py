@@ -8,6 +8,7 @@ is refused with its file and line, before anything is applied.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -154,7 +155,18 @@ def safe_path(raw: str, where: str) -> str:
     parts = PurePosixPath(raw).parts
     if not parts or any(p in ("..", ".", "") for p in raw.split("/")):
         raise SeriesError(f"{where}: path {raw!r} would leave the tree: refused")
+    # No file system takes a name longer than 255 bytes, nor a path beyond PATH_MAX (4096);
+    # vLLM's deepest file is a dozen folders down.
+    if len(parts) > MAX_PATH_DEPTH or len(raw.encode("utf-8", "surrogateescape")) > MAX_PATH_BYTES:
+        raise SeriesError(f"{where}: a path {len(parts)} folders deep and {len(raw)} characters long: refused "
+                          f"(at most {MAX_PATH_DEPTH} folders and {MAX_PATH_BYTES} bytes)")
+    if any(len(p.encode("utf-8", "surrogateescape")) > 255 for p in parts):
+        raise SeriesError(f"{where}: path {raw[:60]!r}... has a name longer than 255 bytes: refused")
     return str(PurePosixPath(*parts))
+
+
+MAX_PATH_DEPTH = 64
+MAX_PATH_BYTES = 1024
 
 
 def _strip_prefix(raw: str, prefix: str, where: str) -> str:
@@ -346,8 +358,13 @@ def load_series(series_file: Path) -> Series:
         name = raw.split("#", 1)[0].strip().split()[0] if raw.split("#", 1)[0].strip() else ""
         if not name:
             continue
-        safe_path(name, f"{series_file}:{n}")
         path = series_file.parent / name
+        if "\0" in name or not name.endswith((".patch", ".diff")) and not os.path.lexists(path):
+            # Not a patch's name, nor a file: this is no series (a key, a config, a binary);
+            # what the line holds is not repeated, in case it is a secret.
+            raise SeriesError(f"{series_file}:{n}: not a series: a series names one patch file a line "
+                              "(a name ending in .patch), and this line names no file")
+        safe_path(name, f"{series_file}:{n}")
         try:
             data = inputs.read_bounded(path, MAX_PATCH_BYTES, SeriesError, "patch")
         except SeriesError as exc:

@@ -12,9 +12,11 @@ EnvironmentProblem (exit 12), one sentence naming the cache folder.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,14 +61,44 @@ def unusable(cache: Path, exc: OSError) -> EnvironmentProblem:
     return EnvironmentProblem(f"{problem}; {_HINT}")
 
 
+def refuse_untrusted(folder: Path, cache: Path) -> None:
+    """The cache decides what is built, so only this user may write it: a cache folder (or
+    its locks folder) owned by another user or writable by group or others is refused
+    (EnvironmentProblem, exit 12), and so is a link where the locks folder goes."""
+    try:
+        link = stat.S_ISLNK(os.lstat(folder).st_mode)
+        st = os.stat(folder)
+    except FileNotFoundError:  # absent (made below), or a link that leads nowhere (writing says so)
+        return
+    except OSError as exc:
+        raise unusable(cache, exc) from None
+    if link and folder != cache:
+        raise EnvironmentProblem(f"cannot use the cache folder {cache}: {folder} is a link, which the cache never "
+                                 f"holds: refused; remove it, or {_HINT}")
+    if not stat.S_ISDIR(st.st_mode):
+        return  # a file or device where the folder goes: writing(cache) names it
+    if st.st_uid != os.geteuid():
+        raise EnvironmentProblem(f"cannot use the cache folder {cache}: {folder} belongs to user {st.st_uid}, not to "
+                                 f"this user ({os.geteuid()}), who alone may write the cache: refused; {_HINT}")
+    if st.st_mode & 0o022:
+        raise EnvironmentProblem(f"cannot use the cache folder {cache}: {folder} is writable by other users (mode "
+                                 f"{stat.S_IMODE(st.st_mode):o}), who could plant files in it: refused; "
+                                 f"chmod go-w {folder}, or {_HINT}")
+
+
 @contextlib.contextmanager
 def locked(cache: Path, key: str) -> Iterator[None]:
-    """Hold an exclusive lock on one cache entry for the duration of the block."""
+    """Hold an exclusive lock on one cache entry for the duration of the block (the cache
+    checked first: refuse_untrusted)."""
     lock_dir = cache / "locks"
+    refuse_untrusted(cache, cache)
+    refuse_untrusted(lock_dir, cache)
     with writing(cache):
-        lock_dir.mkdir(parents=True, exist_ok=True)
-        # O_NONBLOCK: a FIFO planted as a lock file is an error, never a hang.
-        fd = os.open(lock_dir / f"{key}.lock", os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK, 0o644)
+        for folder in (cache, lock_dir):
+            if not os.path.lexists(folder):  # ours alone, whatever the umask says
+                folder.mkdir(parents=True, exist_ok=True)
+                os.chmod(folder, 0o755)
+        fd = _open_lock(lock_dir / f"{key}.lock", cache)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
@@ -75,6 +107,18 @@ def locked(cache: Path, key: str) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
+
+
+def _open_lock(path: Path, cache: Path) -> int:
+    """The lock file, never through a link planted in its place (O_NOFOLLOW), and never a
+    FIFO's wait (O_NONBLOCK: a FIFO is an error, not a hang)."""
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise EnvironmentProblem(f"cannot use the cache folder {cache}: the lock file {path} is a link, which "
+                                     f"the cache never holds: refused; remove it, or {_HINT}") from None
+        raise
 
 
 def swap_in(new: Path, dest: Path) -> None:

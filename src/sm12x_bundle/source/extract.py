@@ -9,6 +9,7 @@ Each refusal has a test (tests/test_fuzz.py, tests/test_fetch.py).
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import io
 import posixpath
@@ -18,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import FetchError, is_environment
+from ..fsutil import pause
 from ..progress import Progress
 from . import record
 from .cache import locked, notice, swap_in, unusable, writing
@@ -171,6 +173,7 @@ def _extract_to(sdist: Path, sha: str, dest: Path, progress: Progress | None) ->
     cache = dest.parent.parent
     with writing(cache):
         dest.parent.mkdir(parents=True, exist_ok=True)
+        remove_partial(dest)
         tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
     try:
         _unpack(data, sdist.name, tmp, cache, progress)
@@ -183,6 +186,18 @@ def _extract_to(sdist: Path, sha: str, dest: Path, progress: Progress | None) ->
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def remove_partial(dest: Path) -> list[Path]:
+    """Remove what a run killed while extracting into, or discarding, ``dest`` left
+    (``trees/<sha256>.XXXX``, ``trees/<sha256>.discarded.XXXX``). Called with the entry's
+    lock held, so no live run is using any of them: the name and the lock mark them."""
+    removed = []
+    for path in dest.parent.glob(glob.escape(dest.name) + ".*"):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 def _unpack(data: bytes, name: str, tmp: Path, cache: Path, progress: Progress | None) -> None:
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tar:
@@ -191,6 +206,8 @@ def _unpack(data: bytes, name: str, tmp: Path, cache: Path, progress: Progress |
             for member in members:
                 extract_member(tar, member, tmp)
                 task.advance(1)
+                if task.count == 100:
+                    pause("cache-extracting")
             task.done()
     except OSError as exc:
         if is_environment(exc):  # a full or read-only cache, not the archive

@@ -58,6 +58,18 @@ class SourceTree:
     version: str
     sha256: str | None  # of the sdist it came from; None for a local tree
     origin: str  # where it came from, for reports
+    cache: Path | None = None  # the cache folder the tree lies in (None: a local tree)
+
+    @property
+    def recorded(self) -> bool:
+        """The tree is a cache entry with a digest record (trees/<sha256>/<top>)."""
+        return self.cache is not None and self.sha256 is not None and self.root.parent.name == self.sha256
+
+    def inputs(self) -> list[tuple[str, Path | None]]:
+        """The folders a run reads this tree from, each named for a sentence."""
+        if self.cache is not None:
+            return [("cache folder", self.cache), ("source tree", self.root)]
+        return [("local source tree", self.root)]
 
 
 def tree_version(root: Path) -> str | None:
@@ -92,7 +104,7 @@ def resolve_source(
         sdist = _download(pin, index_url, cache_dir, progress)
     if root is None:
         root = extract.cached_tree(sdist, cache_dir, progress=progress)
-    return SourceTree(root, pin.version, sdist.parent.name, f"PyPI sdist {pin.filename}")
+    return SourceTree(root, pin.version, sdist.parent.name, f"PyPI sdist {pin.filename}", cache_dir)
 
 
 def _from_cache(pin: Pin, cache_dir: Path, progress) -> tuple[Path | None, Path | None]:
@@ -135,5 +147,5 @@ def _local(pin: Pin, local: Path, cache_dir: Path, progress) -> SourceTree:
             )
         sdist = fetch.store(local, digest, cache_dir, local.name, progress)
         root = extract.cached_tree(sdist, cache_dir, progress=progress)
-        return SourceTree(root, tree_version(root) or pin.version, digest, f"local sdist {local}")
+        return SourceTree(root, tree_version(root) or pin.version, digest, f"local sdist {local}", cache_dir)
     raise FetchError(f"{local} does not exist")

@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import FetchError
+
 NAME = ".sm12x-tree-record.json"
 SCHEMA = 2
 RACY_NS = 2_000_000_000  # longer than any file system's timestamp granularity we meet
@@ -186,3 +188,70 @@ def _entries(text: str) -> Entries | None:
         isinstance(v, list) and len(v) == 2 and all(isinstance(x, str) for x in v) for v in entries.values()
     )
     return entries if ok else None
+
+
+def copy_verified(entry: Path, top: str, sdist_sha256: str, dest: Path) -> None:
+    """Copy the folder ``top`` of the cached tree ``entry`` (trees/<sha256>) into ``dest``
+    from its record: each file is opened without following a link, read once, its sha256
+    compared with the record's, and those very bytes written, so a file changed after the
+    tree was checked never reaches ``dest`` (FetchError naming it). What the record does not
+    list is not copied."""
+    header, lines = _load(entry, sdist_sha256)
+    entries = _entries(lines) if header is not None else None
+    if entries is None:
+        raise FetchError(f"the cached tree {entry} has no readable record: refusing to copy it (run again to re-extract)")
+    prefix = top + "/"
+    for rel in sorted(entries):  # a folder sorts before what it holds
+        if rel.startswith(prefix):
+            stamp, content = entries[rel]
+            _copy_entry(entry / rel, dest / rel[len(prefix):], stamp, content)
+
+
+def _copy_entry(src: Path, dst: Path, stamp: str, content: str) -> None:
+    kind = _kind(stamp)
+    if kind == stat.S_IFDIR:
+        dst.mkdir(parents=True, exist_ok=True)
+        os.chmod(dst, 0o755)  # explicit: a umask of 077 must not make the tree unreadable in a container
+        return
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if kind == stat.S_IFLNK:
+        target = _read_link(src)
+        if target != content:
+            raise FetchError(f"the cached tree's link {src} changed since it was checked: refusing to copy it")
+        os.symlink(target, dst)
+        return
+    data, st = _read_once(src)
+    if hashlib.sha256(data).hexdigest() != content:
+        raise FetchError(f"the cached tree's file {src} changed since it was checked: refusing to copy it "
+                         "(run again to check and re-extract the tree)")
+    try:
+        with open(dst, "xb") as fh:
+            fh.write(data)
+    except OSError as exc:  # named by the file that could not be written (a full disk)
+        raise OSError(exc.errno, exc.strerror, os.fspath(dst)) from None
+    os.chmod(dst, int(stamp.split(" ", 1)[0]) & 0o777)
+    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _read_link(src: Path) -> str:
+    try:
+        return os.readlink(src)
+    except OSError as exc:
+        raise FetchError(f"the cached tree's link {src} cannot be read: {exc.strerror}") from None
+
+
+def _read_once(src: Path) -> tuple[bytes, os.stat_result]:
+    """The bytes of the regular file ``src``, read through one descriptor opened without
+    following a link (a link planted where the file was is refused, never followed)."""
+    try:
+        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise FetchError(f"the cached tree's file {src} cannot be opened as a file: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FetchError(f"the cached tree's file {src} is no longer a regular file: refusing to copy it")
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            return fh.read(), st
+    finally:
+        os.close(fd)
