@@ -96,7 +96,7 @@ HCL_CASES = [
       job('    node_constraints: {"${meta.a}": "x\\u2028y"}\n')),
     c("hcl-env-key-newline", NOMAD, 3, CONTROL.format(key=r"jobs\[0\]\.env\.A\\nB"),
       job(env='{"A\\nB": "1"}')),
-    c("hcl-env-value-nul", NOMAD, 3, CONTROL.format(key=r"jobs\[0\]\.env\.X"), job(env='{X: "a\\0b"}')),
+    c("hcl-env-value-nul", NOMAD, 3, r"bad\.yaml:\d+: jobs\[0\]\.env\.X: holds a NUL character", job(env='{X: "a\\0b"}')),
     c("hcl-host-mount-newline", NOMAD, 3, CONTROL.format(key=r"jobs\[0\]\.host_mounts\./models"),
       job(host_mounts='{/models: "/srv/models\\n"}')),
     c("hcl-overlay-host-dir-newline", NOMAD, 3, CONTROL.format(key=r"jobs\[0\]\.overlay_host_dir"),
