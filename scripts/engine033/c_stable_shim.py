@@ -16,6 +16,11 @@ csrc/torch_bindings.cpp, and implemented as vLLM's own native paths compute them
   get_cuda_view_from_cpu_tensor  csrc/cuda_view.cu: a CUDA tensor over pinned host memory
                         (Model Runner V2's UVA buffers, v1/worker/gpu/buffer_utils.py:38)
 
+and the four CUTLASS capability checks, which answer False (this stand-in has no CUTLASS
+kernels): model_executor/layers/quantization/utils/w8a8_utils.py:41 calls
+cutlass_scaled_mm_supports_block_fp8 at import, on the way from the model loader and
+the Llama model to vLLM's quantization utilities.
+
 Every other op of the real module is left undefined, so reaching one fails loudly by name.
 """
 
@@ -34,6 +39,13 @@ SCHEMAS = {
     ),
     "get_cuda_view_from_cpu_tensor": "get_cuda_view_from_cpu_tensor(Tensor cpu_tensor) -> Tensor",
 }
+CAPABILITY_CHECKS = ("cutlass_scaled_mm_supports_fp8", "cutlass_group_gemm_supported",
+                     "cutlass_scaled_mm_supports_block_fp8", "cutlass_scaled_mm_supports_fp4")
+SCHEMAS.update({name: f"{name}(int cuda_device_capability) -> bool" for name in CAPABILITY_CHECKS})
+
+
+def no_cutlass(cuda_device_capability: int) -> bool:
+    return False
 
 
 def silu_and_mul(result: torch.Tensor, x: torch.Tensor) -> None:
@@ -124,6 +136,8 @@ def register(namespace: str = "_C", keys: tuple[str, ...] = ("CUDA",)) -> torch.
         for key in keys:
             lib.impl(name, fn, key)
     lib.impl("get_cuda_view_from_cpu_tensor", get_cuda_view_from_cpu_tensor, "CPU")
+    for name in CAPABILITY_CHECKS:  # no tensor to dispatch on: every backend, as the real module
+        lib.impl(name, no_cutlass, "CompositeExplicitAutograd")
     return lib
 
 
