@@ -7,13 +7,15 @@
 #
 # WHEELS_DIR: the third-party wheels 0.33.0's offline LLM(...) path imports that the machine
 #   lacks. They are the 26 of the 0.21.0 payload's `dependencies` (data/gpu-payload.json),
-#   about 16 MB, without vLLM 0.21.0's wheel (the two 50 MB parts of the full payload do not
+#   17.2 MB, without vLLM 0.21.0's wheel (the two 50 MB parts of the full payload do not
 #   fit one call). Gather them here, from the cache that `scripts/gpu-payload build` filled:
 #     python3 scripts/engine033/wheels.py .gpu-carry/wheels-0.33.0
 #   (it copies each pinned file and checks its sha256; none is missing from the cache once
 #   the payload has been built).
 # TREES_DIR: the folder `scripts/gpu-payload trees` wrote (parts and manifest.json), 7.4 MB.
-# Carry both folders and nothing else big: about 26 MB with the repository.
+# Carry both folders and nothing else big: about 27 MB with the repository.
+# Before spending the call, `scripts/engine033/cpu_check.py` repeats here (no GPU) the import
+# and model-build checks the study ran.
 #
 # Steps (timings are estimates; the call has 10 minutes, this aims at 9):
 #   1. the wheels installed into $SM12X_GPU_HOME/deps-0.33.0 (pip --no-index --target), the

@@ -54,11 +54,16 @@ def main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     sys.path.insert(0, str(HERE.parents[1] / "src"))
     from sm12x_bundle import native
+    from sm12x_bundle.errors import BundleError
 
     shutil.rmtree(a.dest, ignore_errors=True)
     shutil.copytree(a.tree / "vllm", a.dest / "vllm", ignore=shutil.ignore_patterns("__pycache__"))
     version = metadata(a.tree, a.dest)
-    extension = native.build_cumem_extension(a.tree, a.dest / "vllm", python_include=a.python_include)
+    try:
+        extension = native.build_cumem_extension(a.tree, a.dest / "vllm", python_include=a.python_include)
+    except BundleError as exc:
+        print(f"prepare: the cumem extension of {a.tree} did not build: {exc}", file=sys.stderr)
+        return 7
     c_module = compiled(a.dest / "vllm", a.real_c)
     (a.dest / "vllm" / "vllm_flash_attn" / "_vllm_fa2_C.py").write_text(FA_PLACEHOLDER)
     print(json.dumps({"dest": str(a.dest), "version": version, "extension": str(extension), "_C_stable_libtorch": c_module}))
