@@ -26,7 +26,7 @@ SERVE = (sys.executable, "-m", "sm12x_bundle.enginecheck.serve_session")
 def settings(tp: int = 1, **more) -> str:
     return json.dumps({"model": "/nowhere", "gpu_memory_utilization": 0.5, "kv_cache_bytes": 1 << 28,
                        "max_model_len": 1024, "max_num_seqs": 8, "max_num_batched_tokens": 1024, "tp": tp,
-                       "pp": 1, "eager": False, "vllm_args": [], "call_timeout": 5, "start_timeout": 30, **more})
+                       "pp": 1, "eager": False, "vllm_args": [], "call_timeout": 15, "start_timeout": 60, **more})
 
 
 def env(fake: str = "") -> dict:
@@ -36,7 +36,7 @@ def env(fake: str = "") -> dict:
 
 def start(groups: procs.Groups, tmp_path: Path, fake: str = "", tp: int = 1) -> procs.Child:
     child = groups.start([*SERVE, "--settings", settings(tp)], env(fake), tmp_path / "serve.log", "serve", echo=False)
-    ready = child.next_message(60)
+    ready = child.next_message(120)
     assert ready.get("event") == "ready", ready
     return child
 
@@ -44,15 +44,15 @@ def start(groups: procs.Groups, tmp_path: Path, fake: str = "", tp: int = 1) -> 
 def test_the_serve_session_drives_sleep_wake_and_generate_over_http(tmp_path):
     with procs.groups() as groups:
         child = start(groups, tmp_path, tp=2)
-        got = child.ask("generate", 10, prompts=[[1, 2], [3]], max_tokens=3)
+        got = child.ask("generate", 30, prompts=[[1, 2], [3]], max_tokens=3)
         assert got["ok"] and got["tokens"] == [[3, 10, 17], [3, 10, 17]] and got["healthy"] is True
-        slept = child.ask("sleep", 10, level=1)
+        slept = child.ask("sleep", 30, level=1)
         assert slept["ok"] and slept["is_sleeping"] is True
-        state = child.ask("state", 10)
+        state = child.ask("state", 30)
         assert [r["rank"] for r in state["ranks"]] == [0, 1] and state["is_sleeping"] is True
-        woke = child.ask("wake", 10)
+        woke = child.ask("wake", 30)
         assert woke["ok"] and woke["fully_awake"] is True
-        assert child.ask("exit", 10)["ok"]
+        assert child.ask("exit", 30)["ok"]
 
 
 def test_the_server_gets_the_operators_settings_and_their_flags(tmp_path):
@@ -68,14 +68,14 @@ def test_the_server_gets_the_operators_settings_and_their_flags(tmp_path):
 def test_a_fault_goes_to_one_rank_alone(tmp_path):
     with procs.groups() as groups:
         child = start(groups, tmp_path, tp=2)
-        reply = child.ask("inject", 10, at="middle", rank=1)
+        reply = child.ask("inject", 30, at="middle", rank=1)
         assert [r["installed"] for r in reply["ranks"]] == [False, True] and reply["rank"] == 1
 
 
 def test_a_failed_sleep_says_what_the_server_logged_and_the_health_after_it(tmp_path):
     with procs.groups() as groups:
         child = start(groups, tmp_path, fake="fail-sleep-rank-1", tp=2)
-        reply = child.ask("sleep", 10, level=1)
+        reply = child.ask("sleep", 30, level=1)
         assert reply["ok"] is False and "HTTP 500" in reply["error"]
         assert "rank 1" in reply["error"] and "tag 'weights', 1048576 bytes" in reply["error"]
         assert failures.names_allocation(reply["error"]) and reply["healthy"] is True
@@ -84,8 +84,8 @@ def test_a_failed_sleep_says_what_the_server_logged_and_the_health_after_it(tmp_
 def test_a_call_that_hangs_is_a_timed_out_reply_not_a_hang(tmp_path):
     with procs.groups() as groups:
         child = start(groups, tmp_path, fake="hang-wake")
-        reply = child.ask("wake", 30)
-        assert reply["ok"] is False and reply["timed_out"] is True and "no answer within 5 s" in reply["error"]
+        reply = child.ask("wake", 60)
+        assert reply["ok"] is False and reply["timed_out"] is True and "no answer within 15 s" in reply["error"]
 
 
 def test_a_server_that_dies_at_start_is_a_failed_start_with_its_words(tmp_path):
@@ -97,12 +97,25 @@ def test_a_server_that_dies_at_start_is_a_failed_start_with_its_words(tmp_path):
         assert "CUDA out of memory" in ready["error"]
 
 
+class Gpus:
+    """NVML's answers for a machine without a GPU: nothing in use, every rank on its own index."""
+
+    def used(self) -> int:
+        return 0
+
+    def used_each(self) -> list[int]:
+        return [0, 0]
+
+    def index_of(self, rank: int) -> int:
+        return rank
+
+
 def serve_bench(tmp_path: Path, groups: procs.Groups, fake: str, tp: int) -> bench.Bench:
     size = plan.engine_size(plan.GiB, 80 * plan.GiB, tp)
     sizes = plan.Sizes(size, None, 2, 4, 4, 1, 0, 4, None)
     par = plan.Parallel("serve", tp=tp)
-    return bench.Bench(groups, None, sizes, {"single": tmp_path / "model"}, None, None, tmp_path,
-                       model.prompts(2, 4), call_timeout=5, start_timeout=30, parallel=par,
+    return bench.Bench(groups, Gpus(), sizes, {"single": tmp_path / "model"}, None, None, tmp_path,
+                       model.prompts(2, 4), call_timeout=15, start_timeout=60, parallel=par,
                        session=(sys.executable, str(Path(__file__).parent / "stubs" / "serve_with_fake_vllm.py"), fake))
 
 
@@ -112,7 +125,7 @@ def test_a_worker_killed_while_asleep_is_seen_by_every_call_within_the_timeout(t
         f = failures.killed_worker(serve_bench(tmp_path, groups, "", 2), tree)
     outcome, words = f.outcome()
     assert outcome == "pass", words
-    assert f.figures["killed_rank"] == 1 and f.figures["said_within_s"] < 30
+    assert f.figures["killed_rank"] == 1 and f.figures["said_within_s"] < 3 * 15
     assert f.checks["health fails"][0] and f.checks["calls fail"][0] and f.checks["no call hung"][0]
 
 
@@ -121,7 +134,7 @@ def test_a_wedged_server_fails_the_killed_worker_scenario(tmp_path):
     with procs.groups() as groups:
         f = failures.killed_worker(serve_bench(tmp_path, groups, "wedge-after-kill", 2), tree)
     outcome, words = f.outcome()
-    assert outcome == "fail" and "hung until the 5 s timeout" in words
+    assert outcome == "fail" and "hung until the 15 s timeout" in words
 
 
 @pytest.mark.parametrize("given, tp, pp, eager, kept, left", [
@@ -164,3 +177,15 @@ def test_a_job_gives_the_engine_its_tp_and_flags(default_context):
     p = engine_settings(default_context, args)
     assert p.tp == job.tensor_parallel_size and p.driver == "serve"
     assert list(p.vllm_args) + list(p.left_out) == list(job.extra_args)
+
+
+def test_a_sleep_that_fails_on_one_rank_is_judged_over_every_rank(tmp_path):
+    tree = plan.Tree("patched", FAKE_VLLM, (FAKE_VLLM,))
+    with procs.groups() as groups:
+        f = failures.failing_sleep(serve_bench(tmp_path, groups, "fail-sleep-rank-1", 2), tree)
+    outcome, words = f.outcome()
+    assert outcome == "pass", words
+    assert f.figures["fault_rank"] == 1 and f.figures["fault"]["rank"] == 1
+    assert f.checks["the failure names the rank"][0] and f.checks["the failure names the allocation"][0]
+    # is_sleeping is judged once the scheduler is resumed, not before (vLLM counts a paused one as asleep)
+    assert f.figures["is_sleeping_after_resume"] is False and f.checks["is_sleeping tells the truth"][0]

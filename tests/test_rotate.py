@@ -39,7 +39,7 @@ def servers(tmp_path):
             assert time.monotonic() < deadline, "the fake server did not start"
             time.sleep(0.1)
         if asleep:
-            server.sleep(1, 5)
+            server.sleep(1, 20)
         return server
 
     yield start
@@ -49,7 +49,7 @@ def servers(tmp_path):
 
 
 def rotate(capsys, a: Server, b: Server, *more: str) -> tuple[int, str]:
-    code = main(["rotate", "--from", a.base, "--to", b.base, "--timeout", "5", *more])
+    code = main(["rotate", "--from", a.base, "--to", b.base, "--timeout", "20", *more])
     return code, capsys.readouterr().out
 
 
@@ -58,7 +58,7 @@ def test_a_swap_sleeps_a_wakes_b_and_checks_that_b_serves(servers, capsys):
     code, out = rotate(capsys, a, b, "--json")
     doc = json.loads(out)
     assert code == 0 and doc["swapped"] and [s["stage"] for s in doc["stages"]] == ["sleep A", "wake B", "B serves"]
-    assert a.is_sleeping(5) and not b.is_sleeping(5)
+    assert a.is_sleeping(20) and not b.is_sleeping(20)
 
 
 def test_when_b_does_not_wake_a_is_woken_again_and_serves(servers, capsys):
@@ -66,15 +66,15 @@ def test_when_b_does_not_wake_a_is_woken_again_and_serves(servers, capsys):
     code, out = rotate(capsys, a, b)
     assert code == 9 and "NOT swapped: --from serves again" in out
     assert "wake B: " in out and "FAILED: POST /wake_up: HTTP 500" in out
-    assert not a.is_sleeping(5) and b.is_sleeping(5)
-    Server(a.base, "m").complete([[1, 2]], 1, 5)  # the pool serves
+    assert not a.is_sleeping(20) and b.is_sleeping(20)
+    Server(a.base, "m").complete([[1, 2]], 1, 20)  # the pool serves
 
 
 def test_when_a_does_not_sleep_it_is_woken_and_b_is_left_alone(servers, capsys):
     a, b = servers("fail-sleep-rank-0"), servers(asleep=True)
     code, out = rotate(capsys, a, b)
     assert code == 9 and "sleep A: " in out and "wake A again" in out and "wake B" not in out
-    assert b.is_sleeping(5)
+    assert b.is_sleeping(20)
 
 
 def test_when_neither_serves_the_exit_code_says_so(servers, capsys):

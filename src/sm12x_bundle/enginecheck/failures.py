@@ -83,6 +83,7 @@ def failing_sleep(bench: Bench, tree: Tree) -> Finding:
         as_before_sleep(bench, e, f, used_before)
         resumed = e.call("wake", tags=["scheduling"])
         f.figures["resumed_scheduler"] = {"ok": resumed.get("ok"), "error": resumed.get("error")}
+        says_awake(e, f)
         f.tokens("served after the failed sleep", ref, e.generate("generate after the failed sleep"))
         e.must("sleep", "the retried sleep", level=1)
         e.must("wake", "the wake after the retried sleep")
@@ -102,9 +103,18 @@ def as_before_sleep(bench: Bench, e: Engine, f: Finding, used_before: int) -> No
     said = "the allocator keeps no asleep flag" if asleep is None else f"{asleep} allocations asleep"
     f.check("every byte still on the GPU", abs(change) <= RELEASE_SLACK and not asleep,
             f"{said} over {len(ranks_of(state))} rank(s); GPU memory in use changed by {change / (1 << 20):.0f} MiB")
+
+
+
+def says_awake(e: Engine, f: Finding) -> None:
+    """Once the scheduler is resumed the engine must say it is awake. (vLLM counts a paused
+    scheduler as asleep, EngineCore.is_sleeping in 0.21.0's v1/engine/core.py, so before the
+    resume True is the truth.)"""
+    state = e.state()
     if "is_sleeping" in state:
+        f.figures["is_sleeping_after_resume"] = state["is_sleeping"]
         f.check("is_sleeping tells the truth", state["is_sleeping"] is False,
-                f"is_sleeping says {state['is_sleeping']} after the failed sleep")
+                f"is_sleeping says {state['is_sleeping']} after the failed sleep and the scheduler's resume")
 
 
 # --- d2: a wake that meets memory another process holds -------------------------------------

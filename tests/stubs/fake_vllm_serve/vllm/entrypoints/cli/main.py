@@ -6,7 +6,9 @@ HTTP: /health, /v1/completions, /sleep, /wake_up, /is_sleeping, /collective_rpc,
 /reset_prefix_cache. Each rank is a process of its own (a sleeping child), so killing a
 rank's pid makes /health fail. Behaviour is chosen by FAKE_SERVE (comma list):
 
-  fail-sleep-rank-R   a sleep answers HTTP 500 and logs an error that names rank R
+  fail-sleep-rank-R   the first sleep answers HTTP 500 and logs an error that names rank R; the
+                      scheduler stays paused, so /is_sleeping says true until a wake_up (vLLM's
+                      EngineCore pauses before it sleeps and counts a paused scheduler as asleep)
   hang-wake           a wake never answers
   fail-wake           a wake answers HTTP 500 and the server stays asleep
   wedge-after-kill    once a rank is dead, /health still says 200 and every POST hangs (a wedged
@@ -36,6 +38,7 @@ class State:
         self.model = option(argv, "--served-model-name", "model")
         self.flags = os.environ.get("FAKE_SERVE", "").split(",")
         self.asleep = False
+        self.paused = False
         self.injected: dict[int, bool] = {}
         self.workers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
                         for _ in range(self.ranks)]
@@ -89,7 +92,7 @@ def handler(state: State):
             elif path == "/v1/models":
                 self.reply(200, {"object": "list", "data": [{"id": state.model, "object": "model"}]})
             elif path == "/is_sleeping":
-                self.reply(200, {"is_sleeping": state.asleep})
+                self.reply(200, {"is_sleeping": state.asleep or state.paused})
             else:
                 self.reply(404, {"detail": "Not Found"})
 
@@ -110,8 +113,10 @@ def handler(state: State):
                 toks = [[(sum(p) + i * 7) % 32000 for i in range(doc["max_tokens"])] for p in doc["prompt"]]
                 return self.reply(200, {"choices": [{"index": i, "text": "", "token_ids": t} for i, t in enumerate(toks)]})
             if path == "/sleep":
-                for flag in state.flags:
+                for flag in list(state.flags):
                     if flag.startswith("fail-sleep-rank-"):
+                        state.flags.remove(flag)
+                        state.paused = True
                         rank = flag.rsplit("-", 1)[1]
                         print(f"ERROR sleep failed on rank {rank} of ranks 0-{state.ranks - 1} (rank {rank}: "
                               f"tag 'weights', 1048576 bytes: out of host memory)", file=sys.stderr, flush=True)
@@ -125,6 +130,7 @@ def handler(state: State):
                     print("ERROR wake_up failed: out of memory (tag 'weights', 1048576 bytes)", file=sys.stderr, flush=True)
                     return self.reply(500, {"error": "Internal Server Error"})
                 state.asleep = False if not query.get("tags") else state.asleep
+                state.paused = False
                 return self.reply(200)
             if path == "/reset_prefix_cache":
                 return self.reply(200)
