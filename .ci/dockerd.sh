@@ -40,7 +40,13 @@ install() {
   [ "$(id -u)" = 0 ] || { say "missing ${missing[*]}, and only root can install them"; exit 1; }
   say "installing Debian's ${missing[*]}"
   apt-get update -q >&2
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >&2
+  # A package the install pulls in may fail its own post-install step on this machine
+  # (seen here: python3's rtupdate hook, for an unrelated installed package); what counts
+  # is that the two commands are there afterwards.
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >&2 ||
+    say "apt-get reported an error; checking that dockerd and debootstrap are installed anyway"
+  command -v dockerd >/dev/null && command -v debootstrap >/dev/null ||
+    { say "dockerd or debootstrap is still missing after apt-get"; exit 1; }
 }
 
 start() {

@@ -174,6 +174,8 @@ class JobConfig:
     # lanes need their series), bind-mounted read-only into the gate: the image lacks the tool.
     gate_tool_dir: str = "/opt/sm12x-bundle/tool"
     # The longest the gate may take; it runs inside healthy_deadline_s, before the load.
+    # Measured: `engine-check --installed --quick --tp 2` took 179 s on two H200s with a warm
+    # torch.compile cache; a cold `vllm serve` start alone took over 180 s (docs/results.md).
     gate_time_s: int = 600
 
 
