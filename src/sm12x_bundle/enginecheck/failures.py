@@ -157,7 +157,7 @@ def still_asleep(bench: Bench, e: Engine, f: Finding, held_used: int) -> None:
     """After the failed wake: the engine says it sleeps, and kept nothing of the GPU mapped."""
     state = e.state()
     kept = bench.gpu.used() - held_used
-    asleep, total = asleep_count(state), sum(len(r.get("tags") or {}) for r in ranks_of(state))
+    asleep = asleep_count(state)
     f.figures.update(state_after=state, kept_mapped_bytes=kept, kept_mapped_each=bench.gpu.used_each())
     f.check("still asleep, nothing kept mapped", bool(state.get("is_sleeping")) and kept <= RELEASE_SLACK,
             f"is_sleeping {state.get('is_sleeping')}; the failed wake kept {kept / (1 << 20):.0f} MiB mapped "

@@ -95,12 +95,17 @@ class Nvml:
 
     def wait_used_at_most(self, limit: int, timeout: float, poll: float = 0.2) -> int:
         """Poll until the device's used memory is at most ``limit``; return the last reading."""
-        deadline = time.monotonic() + timeout
-        used = self.used()
-        while used > limit and time.monotonic() < deadline:
-            time.sleep(poll)
-            used = self.used()
-        return used
+        return wait_used_at_most(self.used, limit, timeout, poll)
+
+
+def wait_used_at_most(used_now, limit: int, timeout: float, poll: float = 0.2) -> int:
+    """Poll ``used_now()`` until it is at most ``limit``; return the last reading."""
+    deadline = time.monotonic() + timeout
+    used = used_now()
+    while used > limit and time.monotonic() < deadline:
+        time.sleep(poll)
+        used = used_now()
+    return used
 
 
 class Gpus:
@@ -136,9 +141,4 @@ class Gpus:
         return [d.card().to_dict() for d in self.devices]
 
     def wait_used_at_most(self, limit: int, timeout: float, poll: float = 0.2) -> int:
-        deadline = time.monotonic() + timeout
-        used = self.used()
-        while used > limit and time.monotonic() < deadline:
-            time.sleep(poll)
-            used = self.used()
-        return used
+        return wait_used_at_most(self.used, limit, timeout, poll)

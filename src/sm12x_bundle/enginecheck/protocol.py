@@ -10,6 +10,10 @@ stdout (vLLM's logs go to stderr). Pure functions; both sides use them.
 from __future__ import annotations
 
 import json
+import os
+import sys
+import time
+from collections.abc import Callable
 
 # What a session answers (session.py); the holder answers hold and exit.
 COMMANDS = ("generate", "sleep", "wake", "inject", "uninject", "reload", "reset", "state", "kill_rank", "hold",
@@ -70,3 +74,29 @@ def ready(**facts) -> dict:
 
 def failed_start(exc: BaseException | str, **facts) -> dict:
     return {"event": "failed", "error": sentence(exc), **facts}
+
+
+def speak(start: Callable[[], tuple[object, dict]], answer: Callable[[object, str], tuple[str | None, dict]]) -> None:
+    """A child's whole life on the protocol (a session, the serve session): replies go to the
+    real stdout, everything else printed to stderr (vLLM logs to stdout too); ``start``
+    returns the engine and the facts the ready line carries, or raises (a failed start);
+    each request line gets ``answer``'s reply until ``exit``. The process then ends at once:
+    the check ends its process group, the engine's own processes with it."""
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    began = time.perf_counter()
+    try:
+        engine, facts = start()
+        first = ready(seconds=time.perf_counter() - began, **facts)
+    except Exception as exc:  # noqa: BLE001  (reported to the parent, which records it)
+        first, engine = failed_start(exc, seconds=time.perf_counter() - began), None
+    replies.write(encode(first))
+    replies.flush()
+    for line in sys.stdin if engine is not None else ():
+        name, reply = answer(engine, line)
+        replies.write(encode(reply))
+        replies.flush()
+        if name == "exit":
+            break
+    sys.stderr.flush()
+    os._exit(0)

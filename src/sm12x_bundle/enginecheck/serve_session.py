@@ -191,30 +191,17 @@ def _log_path() -> Path | None:
         return None
 
 
+def start(settings: dict):
+    driver = ServeDriver(settings, _log_path())
+    driver.wait_ready(float(settings.get("start_timeout", 600)))
+    return driver, facts(driver)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m sm12x_bundle.enginecheck.serve_session")
     p.add_argument("--settings", required=True, help="JSON: model, sizes, parallelism (plan.EngineSize.settings)")
     settings = json.loads(p.parse_args(argv).settings)
-    replies = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    start = time.perf_counter()
-    try:
-        driver = ServeDriver(settings, _log_path())
-        driver.wait_ready(float(settings.get("start_timeout", 600)))
-        ready = protocol.ready(seconds=time.perf_counter() - start, **facts(driver))
-    except Exception as exc:  # noqa: BLE001  (reported to the parent, which records it)
-        replies.write(protocol.encode(protocol.failed_start(exc, seconds=time.perf_counter() - start)))
-        replies.flush()
-        os._exit(0)
-    replies.write(protocol.encode(ready))
-    replies.flush()
-    for line in sys.stdin:
-        name, reply = answer(driver, line)
-        replies.write(protocol.encode(reply))
-        replies.flush()
-        if name == "exit":
-            break
-    os._exit(0)  # the check ends the process group, the server and its workers with it
+    protocol.speak(lambda: start(settings), answer)
 
 
 if __name__ == "__main__":

@@ -108,32 +108,17 @@ def answer(llm, line: str) -> tuple[str | None, dict]:
     return cmd, protocol.ok(time.perf_counter() - start, **data)
 
 
+def start(settings: dict):
+    from vllm import LLM
+
+    return LLM(**releases.engine_kwargs(settings)), facts()
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m sm12x_bundle.enginecheck.session")
     p.add_argument("--settings", required=True, help="JSON: model, sizes (plan.EngineSize.settings)")
     settings = json.loads(p.parse_args(argv).settings)
-    replies = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    start = time.perf_counter()
-    try:
-        from vllm import LLM
-
-        llm = LLM(**releases.engine_kwargs(settings))
-        ready = protocol.ready(seconds=time.perf_counter() - start, **facts())
-    except Exception as exc:  # noqa: BLE001  (reported to the parent, which records it)
-        replies.write(protocol.encode(protocol.failed_start(exc, seconds=time.perf_counter() - start)))
-        replies.flush()
-        os._exit(0)
-    replies.write(protocol.encode(ready))
-    replies.flush()
-    for line in sys.stdin:
-        cmd, reply = answer(llm, line)
-        replies.write(protocol.encode(reply))
-        replies.flush()
-        if cmd == "exit":
-            break
-    sys.stderr.flush()
-    os._exit(0)  # the engine core follows its parent out; the check ends the group anyway
+    protocol.speak(lambda: start(settings), answer)
 
 
 if __name__ == "__main__":
