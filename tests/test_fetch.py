@@ -1,7 +1,11 @@
 import hashlib
 import io
+import os
+import subprocess
+import sys
 import tarfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -141,6 +145,43 @@ def test_local_sdist_is_verified_against_the_pin(tmp_path):
     assert src.version == "9.0.0" and (src.root / "vllm").is_dir()
     with pytest.raises(FetchError, match="sha256 mismatch"):
         resolve_source(Pin("9.0.0", "1" * 64), local=sdist, cache_dir=tmp_path / "cache2")
+
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+FETCH = "import sys; from pathlib import Path; from sm12x_bundle.source.pin import Pin, resolve_source; " \
+        "a = sys.argv[1:]; resolve_source(Pin('9.0.0', a[0]), index_url=a[1] or None, " \
+        "local=Path(a[2]) if a[2] else None, cache_dir=Path(a[3]))"
+
+
+def _fetch(args: list[str], **pause: str) -> subprocess.Popen:
+    """resolve_source in a child process (the pause hook, fsutil.pause, needs one to kill)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SM12X_TEST_PAUSE")}
+    env.update(PYTHONPATH=str(SRC), **pause)
+    return subprocess.Popen([sys.executable, "-c", FETCH, *args], env=env, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("point", ["cache-downloading", "cache-storing"])
+def test_a_fetch_killed_midway_leaves_a_partial_file_the_next_fetch_removes(tmp_path, point):
+    index, sha = make_index(tmp_path / "idx")
+    sdist, cache, flag = tmp_path / "idx" / "files" / "vllm-9.0.0.tar.gz", tmp_path / "cache", tmp_path / "paused"
+    args = [sha, index, "", str(cache)] if point == "cache-downloading" else [sha, "", str(sdist), str(cache)]
+    proc = _fetch(args, SM12X_TEST_PAUSE_AT=point, SM12X_TEST_PAUSE_FILE=str(flag))
+    deadline = time.monotonic() + 60
+    while not flag.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert flag.exists(), proc.stderr.read() if proc.stderr else ""
+    proc.kill()
+    proc.wait()
+    partial = [p for p in cache.rglob("*") if p.is_file() and p.parent.name != "locks"]
+    assert len(partial) == 1 and partial[0].name.startswith(sha + ".") != partial[0].name.endswith(".tmp"), partial
+    others = ["keep.txt", "f" * 64 + ".vllm-9.0.0.tar.gz.abcd1234"]  # not ours, or another entry's (its lock)
+    for name in others:
+        (cache / "tmp").mkdir(exist_ok=True)
+        (cache / "tmp" / name).write_text("x\n")
+    done = _fetch([sha, index, "", str(cache)])  # from the index either way (a new store would overwrite its .tmp)
+    assert done.wait(timeout=120) == 0, done.stderr.read() if done.stderr else ""
+    assert sorted(p.name for p in (cache / "tmp").iterdir()) == sorted(others)
+    assert [p.name for p in (cache / "sdists" / sha).iterdir()] == ["vllm-9.0.0.tar.gz"]
 
 
 def test_local_tree_must_be_vllm(tmp_path):

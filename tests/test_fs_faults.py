@@ -325,6 +325,35 @@ def test_a_scratch_folder_is_removed_on_sigterm_and_by_the_next_run_after_sigkil
     assert fsutil.remove_dead_temps("sm12x-overlay-") == [scratch] and list(tmp.iterdir()) == []
 
 
+SCRATCH = {  # the commands that cannot run here (a GPU): their work folders, entered alone
+    "engine-check": ("sm12x_bundle.enginecheck.runner", "workdir", ".sm12x-engine-check.tmp-"),
+    "selftest": ("sm12x_bundle.selftest", "_workdir", ".sm12x-selftest.tmp-"),
+}
+
+
+@pytest.mark.parametrize("command", sorted(SCRATCH))
+def test_a_killed_runs_work_folder_is_removed_by_the_next_run(world, command):
+    """engine-check's and selftest's own work folder (no --work): a scratch folder like overlay's."""
+    module, function, name = SCRATCH[command]
+    flag, tmp = world / "paused", world / "tmp"
+    # Killed inside the block: at temp_folder's own point, or at the block's for any other folder.
+    code = f"from sm12x_bundle.fsutil import pause\nfrom {module} import {function}\n" \
+           f"with {function}(None): pause('scratch-folder')\n"
+    env = _env(world, SM12X_TEST_PAUSE_AT="scratch-folder", SM12X_TEST_PAUSE_FILE=str(flag))
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not flag.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.kill()
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    (dead,) = tmp.iterdir()
+    mod = __import__(module, fromlist=[function])
+    with getattr(mod, function)(None) as work:
+        assert list(tmp.iterdir()) == [Path(work)], f"{dead.name} is left"
+    assert list(tmp.iterdir()) == []
+    assert dead.name.startswith(name) and Path(work).name.startswith(name)
+
+
 # --- 5. every input or machine fault has its class's code, never 2 ---------------------------
 
 

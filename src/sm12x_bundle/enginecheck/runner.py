@@ -10,7 +10,6 @@ use is read again (NVML), to show that nothing the check started still holds any
 
 from __future__ import annotations
 
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,7 +19,7 @@ from pathlib import Path
 
 from .. import native
 from ..context import Context
-from ..fsutil import check_replaceable, claim
+from ..fsutil import check_replaceable, claim, temp_folder
 from ..series.lane import Lane
 from ..source.pin import resolve_source
 from . import ceilings as ceilings_mod
@@ -80,13 +79,14 @@ def need_compiler() -> None:
 
 @contextmanager
 def workdir(keep: Path | None) -> Iterator[Path]:
-    """The work folder: --work DIR (absent, empty or one this tool wrote; kept), else a temporary one."""
+    """The work folder: --work DIR (absent, empty or one this tool wrote; kept), else a
+    scratch folder (locked and marked, so one a killed run left is removed by the next)."""
     if keep is not None:
         check_replaceable(keep, what="work folder")
         claim(keep, "work folder")
         yield keep.resolve()
         return
-    with tempfile.TemporaryDirectory(prefix="sm12x-engine-check-") as tmp:
+    with temp_folder("sm12x-engine-check-") as tmp:
         yield Path(tmp)
 
 

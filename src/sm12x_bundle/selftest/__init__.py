@@ -9,7 +9,6 @@ how big; report.py turns the results into the table, the JSON and the exit code.
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from ..context import Context
 from ..errors import ConfigError
+from ..fsutil import temp_folder
 from . import plan, report, runner
 from .plan import Target
 
@@ -75,7 +75,7 @@ def _workdir(keep: Path | None) -> Iterator[Path]:
         keep.mkdir(parents=True, exist_ok=True)
         yield keep.resolve()
         return
-    with tempfile.TemporaryDirectory(prefix="sm12x-selftest-") as tmp:
+    with temp_folder("sm12x-selftest-") as tmp:  # locked and marked: a killed run's is removed by the next
         yield Path(tmp)
 
 

@@ -33,7 +33,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -41,6 +40,7 @@ from pathlib import Path
 
 from .. import cmd
 from ..errors import CommandError
+from ..fsutil import temp_folder
 
 MiB, GiB = 1 << 20, 1 << 30
 GRANULARITY = 2 * MiB
@@ -357,7 +357,7 @@ def ranks(torch, cumem, p: dict) -> dict:
     across = Path(cumem.__file__).with_name("cumem_ranks.py").is_file()
     f: dict = {"ranks": world, "gpus": gpus, "each_bytes": each, "pieces": PIECES, "across_ranks": across}
     phases = ("sleep", "wake", "steady") if across else ("sleep", "wake")
-    with tempfile.TemporaryDirectory(prefix="sm12x-ranks-") as work:
+    with temp_folder("sm12x-ranks-") as work:  # locked and marked: a killed run's is removed by the next
         docs = {ph: launch(cumem, ph, world, gpus, each, Path(work) / ph) for ph in phases}
     kind, reason = judge(docs, world)
     f.update(figures(docs))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 import shutil
@@ -11,6 +12,7 @@ import urllib.request
 from pathlib import Path
 
 from ..errors import FetchError
+from ..fsutil import pause
 from ..progress import Progress
 from .cache import locked, notice, writing
 
@@ -43,7 +45,24 @@ def cached_file(
     (a damaged copy is discarded, with a notice)."""
     path = _entry(cache, sha256, filename, folder)
     with locked(cache, sha256):
+        remove_partial(cache, path)
         return path if _whole_or_discarded(path, sha256, progress) else None
+
+
+def remove_partial(cache: Path, dest: Path) -> list[Path]:
+    """Remove what a run killed while downloading or storing the entry ``dest`` left
+    (``tmp/<sha256>.<file>.XXXX``, ``sdists/<sha256>/<file>.tmp``). Called with the entry's lock
+    held, so no live run is writing any of them: the name and the lock mark them."""
+    sha256 = dest.parent.name
+    found = [*(cache / "tmp").glob(glob.escape(sha256 + ".") + "*"),
+             dest.with_name(dest.name + ".tmp")]
+    removed = []
+    for path in found:
+        if path.is_file() and not path.is_symlink():
+            with writing(cache):
+                path.unlink()
+            removed.append(path)
+    return removed
 
 
 def _whole_or_discarded(path: Path, sha256: str, progress: Progress | None) -> bool:
@@ -65,12 +84,14 @@ def download(
     mismatch leaves nothing behind."""
     dest = _entry(cache, sha256, filename, folder)
     with locked(cache, sha256):
+        remove_partial(cache, dest)
         if _whole_or_discarded(dest, sha256, progress):  # another run fetched it while we waited
             return dest
         staging = cache / "tmp"
         with writing(cache):
             staging.mkdir(parents=True, exist_ok=True)
-            fd, tmp_name = tempfile.mkstemp(prefix=filename + ".", dir=staging)
+            # Named by the sha256, so the next run holding this entry's lock knows it for its own.
+            fd, tmp_name = tempfile.mkstemp(prefix=f"{sha256}.{filename}.", dir=staging)
         tmp = Path(tmp_name)
         try:
             with writing(cache), os.fdopen(fd, "wb") as out:  # the last bytes are written as it closes
@@ -98,6 +119,7 @@ def _stream(url: str, out, filename: str, progress: Progress | None, cache: Path
                 h.update(block)
                 _write(out, block, cache)
                 task.advance(len(block))
+                pause("cache-downloading")
             task.done()
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
@@ -115,12 +137,14 @@ def store(local: Path, sha256: str, cache: Path, filename: str, progress: Progre
     """Copy a local sdist, hashed by the caller, into the cache (atomically)."""
     dest = _entry(cache, sha256, filename)
     with locked(cache, sha256):
+        remove_partial(cache, dest)
         if not _whole_or_discarded(dest, sha256, progress):
             tmp = dest.with_name(dest.name + ".tmp")
             try:
                 with writing(cache):
                     dest.parent.mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(local, tmp)
+                pause("cache-storing")
             except BaseException:
                 tmp.unlink(missing_ok=True)  # a full disk leaves no partial copy
                 raise
