@@ -509,3 +509,23 @@ def test_build_refuses_an_output_folder_inside_the_cache_before_its_first_step(w
     before = record(world)
     judged(capsys, run_main(["build", "-q", "--config", config]), 11, "is inside the cache folder")
     assert differences(before, record(world)) == []
+
+
+def test_a_folder_replaced_inside_a_locked_scratch_folder_does_not_wait_for_itself(tmp_path):
+    """A build context written inside the scratch folder that a run holds (overlay's native
+    build) swaps itself in under a lock on that folder: the same process must not wait for
+    its own lock (it did, forever, in the daemon tests)."""
+    code = (
+        "import os, sys\n"
+        "from pathlib import Path\n"
+        "from sm12x_bundle import fsutil\n"
+        "with fsutil.temp_folder('sm12x-locktest-') as tmp:\n"
+        "    with fsutil.replace_dir(Path(tmp) / 'context', False, 'build context folder') as staging:\n"
+        "        (staging / 'Dockerfile').write_text('FROM scratch\\n')\n"
+        "    print((Path(tmp) / 'context' / 'Dockerfile').read_text().strip())\n"
+    )
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": src}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "FROM scratch"

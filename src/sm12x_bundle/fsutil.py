@@ -570,11 +570,39 @@ def _mkdir(folder: Path, what: str) -> None:
 # --- replacing a folder whole -----------------------------------------------------------
 
 
+# Folders this process holds a lock on, by (device, inode), with how many blocks hold it.
+# flock locks belong to an open file, not to the process: a second flock on the same folder
+# through another fd of this process would wait for itself forever (a context written
+# inside a locked scratch folder swaps itself in under a lock on that folder).
+_HELD: dict[tuple[int, int], int] = {}
+
+
 def _lock(folder: Path) -> int:
-    """Hold an exclusive flock on ``folder`` until the fd is closed (or the process dies)."""
+    """Hold an exclusive flock on ``folder`` until ``_unlock`` (or the process dies); a folder
+    this process already holds is taken again at once."""
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    fcntl.flock(fd, fcntl.LOCK_EX)
+    key = _folder_key(fd)
+    if key not in _HELD:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            raise
+    _HELD[key] = _HELD.get(key, 0) + 1
     return fd
+
+
+def _unlock(fd: int) -> None:
+    key = _folder_key(fd)
+    _HELD[key] -= 1
+    if not _HELD[key]:
+        del _HELD[key]
+    os.close(fd)  # the last holder's close releases the flock
+
+
+def _folder_key(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
 
 
 def _new_staging(parent: Path, name: str, kind: str) -> tuple[Path, int]:
@@ -587,7 +615,7 @@ def _new_staging(parent: Path, name: str, kind: str) -> tuple[Path, int]:
         mark(path)
     except BaseException:
         if fd >= 0:
-            os.close(fd)
+            _unlock(fd)
         shutil.rmtree(path, ignore_errors=True)
         raise
     return path, fd
@@ -654,7 +682,7 @@ def replace_dir(dest: Path, force: bool = False, what: str = "output folder") ->
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
-        os.close(fd)
+        _unlock(fd)
 
 
 def _as_in(exc: OSError, staging: Path, dest: Path) -> OSError:
@@ -697,7 +725,7 @@ def _swap(staging: Path, dest: Path) -> None:
     try:
         _swap_locked(staging, dest)
     finally:
-        os.close(parent)
+        _unlock(parent)
 
 
 def _swap_locked(staging: Path, dest: Path) -> None:
@@ -721,7 +749,7 @@ def _swap_locked(staging: Path, dest: Path) -> None:
             raise
         discard(old)
     finally:
-        os.close(fd)
+        _unlock(fd)
 
 
 def discard(folder: Path) -> None:
@@ -766,7 +794,7 @@ def temp_folder(prefix: str) -> Iterator[str]:
         yield os.fspath(path)
     finally:
         discard(path)
-        os.close(fd)
+        _unlock(fd)
 
 
 def remove_dead_temps(prefix: str) -> list[Path]:
