@@ -100,7 +100,7 @@ EOF
 if [ "$left" -lt 150 ]; then echo "== too little time left for the engine check"; exit 0; fi
 PYTHONPATH=$PWD/src:$deps timeout "$left" python3 -m sm12x_bundle engine-check --config "$home/lanes-0.33.0.yaml" \
   --compare --quick --vllm-path "$installs/pristine" --work "$home/engine-work-0.33.0" --timeout 120 \
-  --json-out "$out/engine.json"
+  --driver api --eager --json-out "$out/engine.json"  # route 1 is eager, through vllm.LLM (the study)
 rc=$?
 echo "== engine-check exit $rc ($SECONDS s)"
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv

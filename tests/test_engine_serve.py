@@ -143,6 +143,8 @@ def test_a_wedged_server_fails_the_killed_worker_scenario(tmp_path):
     (["--pipeline_parallel_size=2", "-tp", "2", "--max-num-seqs", "12"], 2, 2, False, [],
      ["--pipeline_parallel_size=2", "-tp", "2", "--max-num-seqs", "12"]),
     (["--enforce-eager", "--kv-cache-dtype", "fp8"], 1, 1, True, ["--kv-cache-dtype", "fp8"], ["--enforce-eager"]),
+    (["--enforce-eager", "-O3"], 1, 1, True, ["-O3"], ["--enforce-eager"]),  # a boolean takes no value
+    (["--compilation_config.mode=3"], 1, 1, False, ["--compilation_config.mode=3"], []),
 ])
 def test_the_operators_flags_set_the_engine_and_the_checks_own_are_left_out(given, tp, pp, eager, kept, left):
     p = plan.parallel("serve", None, None, False, given)

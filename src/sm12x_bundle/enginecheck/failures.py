@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 
 from .bench import RELEASE_SLACK, Bench, Engine, Finding, Stop, recording
 from .plan import Tree
@@ -176,12 +177,28 @@ def killed_worker(bench: Bench, tree: Tree) -> Finding:
         e.generate("generate before the sleep")
         e.must("sleep", "sleep(1) before the worker is killed", level=1)
         f.figures["kill"] = e.must("kill_rank", "killing the worker", rank=last_rank(bench))
+        f.figures["worker_gone"] = dead(f.figures["kill"]["killed_pid"], within=10.0)
         start = time.monotonic()
         calls = {name: e.call(name, **args) for name, args in
                  (("wake", {}), ("generate", {"prompts": bench.prompts[:1], "max_tokens": 4}), ("state", {}))}
         f.figures["said_within_s"] = time.monotonic() - start
         judge_dead_worker(bench, f, calls)
     return f
+
+
+def dead(pid: int, within: float) -> bool:
+    """Wait until the killed process is gone or a zombie (SIGKILL is delivered, not awaited):
+    the scenario judges the engine after its worker died, not while it dies."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def judge_dead_worker(bench: Bench, f: Finding, calls: dict[str, dict]) -> None:

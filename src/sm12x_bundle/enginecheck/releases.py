@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..serve_flags import option_name
 from ..series.lane import version_key
 
 
@@ -80,17 +81,21 @@ CHECK_FLAGS = (
     "worker-extension-cls", "served-model-name", "tokenizer", "distributed-executor-backend",
 )
 _SHORT = {"-tp": "tensor-parallel-size", "-pp": "pipeline-parallel-size", "-O": "compilation-config"}
+# The check's flags that take no value (booleans): the token after one is not theirs.
+_NO_VALUE = ("skip-tokenizer-init", "enforce-eager", "enable-sleep-mode")
 
 
 def flag_name(token: str) -> str | None:
-    """The option a command-line token names, as vLLM's parser reads it (``_`` and ``-``
-    alike, ``--no-X`` for a boolean X, ``=value`` attached); None for a value."""
-    if token in _SHORT or token.split("=", 1)[0] in _SHORT:
-        return _SHORT[token.split("=", 1)[0]]
-    if not token.startswith("--"):
+    """The option a command-line token names, without its dashes, as vLLM's parser reads it
+    (serve_flags.option_name: ``_`` and ``-`` alike, ``=value`` and ``.key`` attached), with
+    ``--no-X`` for a boolean X the check sets and the short aliases; None for a value."""
+    name = option_name(token)
+    if name in _SHORT:
+        return _SHORT[name]
+    if name is None or not name.startswith("--"):
         return None
-    name = token[2:].split("=", 1)[0].replace("_", "-")
-    return name[3:] if name.startswith("no-") and name[3:] in CHECK_FLAGS else name
+    bare = name[2:]
+    return bare[3:] if bare.startswith("no-") and bare[3:] in CHECK_FLAGS else bare
 
 
 def split_vllm_args(args: list[str]) -> tuple[list[str], list[str]]:
@@ -106,7 +111,7 @@ def split_vllm_args(args: list[str]) -> tuple[list[str], list[str]]:
         name = flag_name(token)
         if name in CHECK_FLAGS:
             dropped.append(token)
-            skip_value = "=" not in token
+            skip_value = "=" not in token and name not in _NO_VALUE
         else:
             kept.append(token)
     return kept, dropped
