@@ -31,6 +31,8 @@
 #      only when the pristine one passed;
 #   4. engine.json: `sm12x-bundle engine-check --compare --quick` on the pristine install
 #      (its patched copy: the lane's series and extension, as for 0.21.0), in what time is left.
+# ENGINE033_BUDGET_S (default 535) bounds the whole run in seconds; ENGINE033_CHECK (default
+# --quick) is the engine check's scenario options, e.g. "--scenario a,d1,d2 --model-gib 1".
 # Environment for every engine: Model Runner V1 (VLLM_USE_V2_MODEL_RUNNER=0; ENGINE033_V2=1
 # tries V2, whose UVA buffers use the stand-in's host view), FlashInfer's sampler off.
 # OUT receives env.txt, prepare-<side>.json, probe-*.json, engine.json, gpu-engine-033.log.
@@ -87,7 +89,7 @@ if ! probe pristine pristine; then
 fi
 probe patched patched
 
-left=$((535 - SECONDS))
+left=$((${ENGINE033_BUDGET_S:-535} - SECONDS))  # the call's 10 minutes, less a margin
 echo "== 4. engine check, ${left} s left ($SECONDS s)"
 cat > "$home/lanes-0.33.0.yaml" <<EOF
 # The lanes with their pristine trees as local sources (the machine has no network).
@@ -99,7 +101,7 @@ lanes:
 EOF
 if [ "$left" -lt 150 ]; then echo "== too little time left for the engine check"; exit 0; fi
 PYTHONPATH=$PWD/src:$deps timeout "$left" python3 -m sm12x_bundle engine-check --config "$home/lanes-0.33.0.yaml" \
-  --compare --quick --vllm-path "$installs/pristine" --work "$home/engine-work-0.33.0" --timeout 120 \
+  --compare ${ENGINE033_CHECK:---quick} --vllm-path "$installs/pristine" --work "$home/engine-work-0.33.0" --timeout 120 \
   --driver api --eager --json-out "$out/engine.json"  # route 1 is eager, through vllm.LLM (the study)
 rc=$?
 echo "== engine-check exit $rc ($SECONDS s)"

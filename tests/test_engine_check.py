@@ -570,7 +570,7 @@ def test_pristine_failing_where_patched_holds_is_the_proof_and_exits_0():
     assert {k: v["holds"] for k, v in judged["patched"].items()} == dict.fromkeys(judged["patched"], True)
     assert judged["pristine"]["first-sleep"] == {"holds": False, "value": "0.03 of D2H",
                                                  "words": "engine first sleep >= 0.8 of the D2H ceiling"}
-    assert judged["pristine"]["failures"]["value"] == "d1 not survived, d2 not survived"
+    assert judged["pristine"]["failures"]["value"] == "d1 not survived, d2 not survived, f survived"
     assert judged["pristine"]["rotation-first"]["holds"] is False
     assert report.holds(rep) and report.exit_code(rep) == 0
     doc = json.loads(report.to_json(rep))
@@ -600,6 +600,27 @@ def test_anything_short_on_patched_exits_9_and_says_what(key, changes, why):
     rep = compare_report(replaced(compare_results(), key, "patched", **changes))
     assert report.exit_code(rep) == 9 and why in report.failures(rep)
     assert why in table.table(rep)
+
+
+def test_a_killed_worker_run_alone_is_judged_by_its_calls_not_by_tokens():
+    # As on two H200s (2026-11-27): --scenario f alone once crashed the table (no rows for f)
+    # and failed the tokens target ("stopped before") though a dead worker serves nothing.
+    results = [r for r in compare_results() if r.scenario == "f"]
+    rep = compare_report(results)
+    judged = rep.targets()["patched"]
+    assert judged["tokens"]["holds"] is None and judged["failures"] == {
+        "holds": True, "value": "f survived",
+        "words": "failure scenarios survived (f: the killed worker reported, no hang)"}
+    assert report.exit_code(rep) == 0
+    text = table.table(rep)
+    assert "/health fails" in text and "said within" in text and "4.40 s" in text
+
+
+def test_a_killed_worker_that_hangs_fails_the_failures_target():
+    results = replaced([r for r in compare_results() if r.scenario == "f"], "f", "patched",
+                       outcome="fail", reason="no call hung: wake hung past --timeout")
+    rep = compare_report(results)
+    assert report.exit_code(rep) == 9 and "target failures on patched: f not survived" in report.failures(rep)
 
 
 def test_patched_worse_than_pristine_is_named_even_where_both_miss_the_target():

@@ -61,7 +61,15 @@ def compare_results() -> list[report.ScenarioResult]:
         survived_result("d2", "pristine", False), survived_result("d2", "patched", True),
         r("e", "pristine", "pass", "identical tokens", 100, {"tokens_identical": True}),
         r("e", "patched", "pass", "identical tokens", 100, {"tokens_identical": True}),
+        killed_result("pristine"), killed_result("patched"),
     ]
+
+
+def killed_result(tree: str) -> report.ScenarioResult:
+    """Scenario f as both trees ran it on two H200s (2026-11-27): every call answered, and failed."""
+    held = checks(("no call hung", True), ("calls fail", True), ("health fails", True))
+    return report.ScenarioResult("f", tree, "pass", "no call hung; calls fail; health fails", 150,
+                                 {"killed_rank": 1, "said_within_s": 4.4, "worker_gone": True}, held)
 
 
 def compare_report(results: list | None = None, quick: bool = False) -> report.Report:

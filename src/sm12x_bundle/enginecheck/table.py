@@ -111,6 +111,9 @@ ROWS: dict[str, list[tuple[str, Callable[[ScenarioResult], str]]]] = {
     "e": [("A's tokens after the other engine", _f(_tokens)),
           ("the other engine", _f(lambda f: str((f.get("b_engine") or {}).get("tree", "-")))),
           ("A's wake", _f(lambda f: _s(f.get("a_wake_s"))))],
+    "f": [("no call hung", _check("no call hung")), ("calls fail", _check("calls fail")),
+          ("/health fails", _check("health fails")),
+          ("said within", _f(lambda f: _s(f.get("said_within_s"))))],
 }
 
 

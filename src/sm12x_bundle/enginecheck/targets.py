@@ -23,9 +23,17 @@ class Target:
     judge: Callable[[dict[str, Any]], tuple[bool | None, str]]  # results by scenario -> (holds, value)
 
 
+# A killed worker serves nothing by design: its claim is that every call says so (FAILURES).
+NO_TOKENS = ("f",)
+FAILURES = ("d1", "d2", "f")
+
+
 def _tokens(by: dict) -> tuple[bool | None, str]:
     if not by:
         return None, "no scenario ran"
+    by = {k: r for k, r in by.items() if k not in NO_TOKENS}
+    if not by:
+        return None, "no scenario that serves ran"
     bad = [k for k, r in by.items() if r.figures.get("tokens_identical") is not True]
     if not bad:
         return True, f"identical in {', '.join(sorted(by))}"
@@ -46,12 +54,17 @@ def _figure(scenario: str, key: str, limit: float, at_most: bool, fmt: str) -> C
     return judge
 
 
+def _survived(key: str, r) -> bool:
+    """d1, d2: the engine serves on; f: the engine said its worker is gone (every check held)."""
+    return r.outcome == "pass" if key == "f" else r.figures.get("survived") is True
+
+
 def _failures(by: dict) -> tuple[bool | None, str]:
-    ran = {k: by[k] for k in ("d1", "d2") if k in by}
+    ran = {k: by[k] for k in FAILURES if k in by}
     if not ran:
         return None, "not run"
-    words = [f"{k} {'survived' if r.figures.get('survived') else 'not survived'}" for k, r in sorted(ran.items())]
-    return all(r.figures.get("survived") is True for r in ran.values()), ", ".join(words)
+    words = [f"{k} {'survived' if _survived(k, r) else 'not survived'}" for k, r in sorted(ran.items())]
+    return all(_survived(k, r) for k, r in ran.items()), ", ".join(words)
 
 
 TARGETS: tuple[Target, ...] = (
@@ -62,7 +75,7 @@ TARGETS: tuple[Target, ...] = (
            _figure("c", "first_over_steady", FIRST_SWAP, True, "{:.2f}x")),
     Target("rotation-steady", f"rotation: slowest steady swap <= {STEADY_SWAP}x its bytes' time at the ceilings",
            _figure("c", "steady_over_ideal", STEADY_SWAP, True, "{:.2f}x")),
-    Target("failures", "failure scenarios survived", _failures),
+    Target("failures", "failure scenarios survived (f: the killed worker reported, no hang)", _failures),
 )
 SPEED = ("first-sleep", "rotation-first", "rotation-steady")
 
