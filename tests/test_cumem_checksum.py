@@ -5,7 +5,8 @@ The module is loaded by path from its source in this repository
 test_generated.py keeps them in step). Its pure-torch reference is checked against the
 formula computed with Python integers, then against the changes a checksum must see
 (any bit, swapped elements, changes that keep a sum); the Triton kernel runs in Triton's
-CPU interpreter (TRITON_INTERPRET=1) and must give the reference's sums bit for bit.
+CPU interpreter (TRITON_INTERPRET=1) and must give the reference's sums bit for bit, and it
+is built for sm_90 (no GPU needed) to check its loads and registers.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -90,6 +93,20 @@ def test_p_is_prime_and_two_checksums_miss_below_2_to_the_61_99(ck):
     assert miss < Fraction(1, 2**60) and math.log2(miss) < -61.99
     assert 4 * (2**16 - 1) * (p - 1) < 2**63  # the outer layer of a block fits in int64
     assert 2**31 * (p - 1) < 2**63  # so do 2^31 block values summed
+
+
+@pytest.mark.parametrize(("words", "w"), [(2, 4), (4, 2)])
+def test_nh_collides_for_at_most_2_to_the_minus_w_of_the_keys(words, w):
+    """The UMAC paper's theorem the docstring rests on, checked exhaustively at a small
+    word size w (every pair of distinct messages of ``words`` w-bit words, every key):
+    NH(M) = NH(M') for at most 2^-w of the keys."""
+    size = 1 << w
+    grid = torch.cartesian_prod(*[torch.arange(size)] * words)  # every message, every key
+    x = (grid.unsqueeze(1) + grid.unsqueeze(0)) % size  # [message, key, word]
+    nh = (x[..., 0::2] * x[..., 1::2]).sum(-1) % (size * size)  # [message, key]
+    same = (nh.unsqueeze(0) == nh.unsqueeze(1)).sum(-1)  # keys on which two messages collide
+    same.fill_diagonal_(0)
+    assert int(same.max()) == grid.shape[0] // size  # the bound, reached
 
 
 def test_block_must_be_a_power_of_two_of_at_least_16_words(ck):
@@ -246,6 +263,47 @@ def test_triton_kernel_over_many_blocks_and_spans(ck, block, group):
     got = checksum.sums([(b.data_ptr(), b.numel()) for b in bufs], "cpu")
     assert got.tolist() == [checksum.reference(b).tolist() for b in bufs]
     assert got.tolist() == [python_checksum(ck, checksum, bytes(b.tolist())) for b in bufs]
+
+
+BUILD_FOR_HOPPER = """
+import importlib.util, sys
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+spec = importlib.util.spec_from_file_location("cumem_checksum", sys.argv[1])
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+pointers = ["addr_ptr", "nbytes_ptr", "index_ptr", "k1_ptr", "k2_ptr", "out_ptr"]
+signature = {"addr_ptr": "*i64", "nbytes_ptr": "*i32", "index_ptr": "*i32", "k1_ptr": "*i64",
+             "k2_ptr": "*i32", "k2_len": "i32", "out_ptr": "*i64", "nblocks": "i32",
+             "P": "constexpr", "PAIRS": "constexpr", "GROUP": "constexpr"}
+aligned = {(list(signature).index(n),): [["tt.divisibility", 16]] for n in pointers}
+source = ASTSource(fn=mod._block_values, signature=signature, attrs=aligned,
+                   constexprs={"P": mod.P, "PAIRS": mod.BLOCK // 2, "GROUP": mod.GROUP})
+built = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": mod.NUM_WARPS})
+Path(sys.argv[2], "kernel.ptx").write_text(built.asm["ptx"])
+Path(sys.argv[2], "kernel.cubin").write_bytes(built.asm["cubin"])
+"""
+
+
+@pytest.mark.triton
+def test_the_kernel_builds_for_hopper_with_16_byte_loads_and_no_local_memory(tmp_path):
+    """Built for sm_90 without a GPU (Triton's own ptxas, in a process of its own: this one
+    interprets), at the module's launch shape: a whole block's data is read with 16-byte
+    loads marked evict-first (the addresses come from descriptors: only the alignment hint
+    tells the compiler they are 16-byte aligned), and no thread spills to local memory."""
+    triton = needs.module("triton")
+    cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    if not cuobjdump.is_file():
+        needs.missing("Triton's cuobjdump")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # a kernel to compile, not to interpret
+    subprocess.run([sys.executable, "-c", BUILD_FOR_HOPPER, str(SOURCE), str(tmp_path)],
+                   env=env, check=True)
+    assert "ld.global.L1::evict_first.L2::cache_hint.v2.b64" in (tmp_path / "kernel.ptx").read_text()
+    usage = subprocess.run([str(cuobjdump), "-res-usage", str(tmp_path / "kernel.cubin")],
+                           capture_output=True, text=True, check=True).stdout
+    assert re.search(r"REG:\d+ STACK:0 SHARED:\d+ LOCAL:0 ", usage), usage
 
 
 def test_unaligned_spans_use_the_reference(ck, monkeypatch):

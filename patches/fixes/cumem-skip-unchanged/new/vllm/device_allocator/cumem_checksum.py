@@ -154,7 +154,7 @@ if triton is not None:
         """A block's words as uint64 pairs m_2i | m_2i+1 << 32, zero padded."""
         pairs = tl.multiple_of(addr.to(tl.pointer_type(tl.uint64)), 16)
         if nb == 8 * PAIRS:  # a whole block: unmasked 16-byte loads
-            x = tl.load(pairs + i)
+            x = tl.load(pairs + i, eviction_policy="evict_first")  # read once
         else:  # an allocation's last block: the bytes after the last whole pair
             full = nb // 8  # are read one by one into a zero-padded pair
             x = tl.load(pairs + i, mask=i < full, other=0)
@@ -181,7 +181,9 @@ if triton is not None:
         pieces = ((nh >> shifts) & 0xFFFF).to(tl.int64)
         return tl.sum(pieces * keys, axis=0) % P
 
-    @triton.jit
+    # Not specialized on the counts' values (1, multiples of 16): the kernel built at
+    # warm-up serves every sleep, with no build inside one.
+    @triton.jit(do_not_specialize=["k2_len", "nblocks"])
     def _block_values(addr_ptr, nbytes_ptr, index_ptr, k1_ptr, k2_ptr, k2_len,
                       out_ptr, nblocks, P: tl.constexpr, PAIRS: tl.constexpr,
                       GROUP: tl.constexpr):
@@ -247,7 +249,7 @@ class Checksum:
         device = torch.device(device)
         if not spans:
             return torch.zeros(0, HASHES, dtype=torch.int64, device=device)
-        self._grow_k2(max(self._blocks(n) for _, n in spans))
+        self._grow_k2(max(_blocks(n, 4 * self.block) for _, n in spans))
         aligned = all(addr % 16 == 0 for addr, _ in spans)
         if self.use_triton and aligned and (device.type == "cuda" or _interpreting()):
             return self._kernel_sums(spans, device)
@@ -256,7 +258,7 @@ class Checksum:
     def reference(self, data: torch.Tensor) -> torch.Tensor:
         """The checksums of one uint8 tensor in pure torch: [2] int64, same device."""
         data = data.reshape(-1)
-        nblocks = self._blocks(data.numel())
+        nblocks = _blocks(data.numel(), 4 * self.block)
         self._grow_k2(nblocks)
         k1 = self.k1.to(data.device)
         k2 = self.k2[:, :nblocks].to(data.device)
@@ -269,9 +271,6 @@ class Checksum:
                 values = _outer_ref(_nh_ref(words, k1[h]), k2[h, first:first + len(words)])
                 total[h] += values.sum()
         return total % P
-
-    def _blocks(self, nbytes: int) -> int:
-        return max(1, -(-nbytes // (4 * self.block)))
 
     def _kernel_sums(self, spans: Sequence[tuple[int, int]],
                      device: torch.device) -> torch.Tensor:
@@ -333,6 +332,10 @@ def _pairs_of(k1: torch.Tensor) -> torch.Tensor:
     return _int32_bits(k1).contiguous().view(torch.int64)
 
 
+def _blocks(nbytes: int, block_bytes: int) -> int:
+    return max(1, -(-nbytes // block_bytes))
+
+
 def _pinned(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory() if device.type == "cuda" else host
 
@@ -347,8 +350,7 @@ def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 def _descriptors(spans: Sequence[tuple[int, int]], block_bytes: int):
     """One entry per block of every span: its address, its bytes, its index in the
     span; and the end (exclusive, in blocks) of each span's run of blocks."""
-    counts = torch.tensor([max(1, -(-n // block_bytes)) for _, n in spans],
-                          dtype=torch.int64)
+    counts = torch.tensor([_blocks(n, block_bytes) for _, n in spans], dtype=torch.int64)
     ends = counts.cumsum(0)
     span = torch.repeat_interleave(torch.arange(len(spans)), counts)
     index = torch.arange(int(ends[-1])) - (ends - counts)[span]
