@@ -284,6 +284,8 @@ source = ASTSource(fn=mod._block_values, signature=signature, attrs=aligned,
 built = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": mod.NUM_WARPS})
 Path(sys.argv[2], "kernel.ptx").write_text(built.asm["ptx"])
 Path(sys.argv[2], "kernel.cubin").write_bytes(built.asm["cubin"])
+Path(sys.argv[2], "unspecialized").write_text(
+    " ".join(p.name for p in mod._block_values.params if p.do_not_specialize))
 """
 
 
@@ -292,7 +294,9 @@ def test_the_kernel_builds_for_hopper_with_16_byte_loads_and_no_local_memory(tmp
     """Built for sm_90 without a GPU (Triton's own ptxas, in a process of its own: this one
     interprets), at the module's launch shape: a whole block's data is read with 16-byte
     loads marked evict-first (the addresses come from descriptors: only the alignment hint
-    tells the compiler they are 16-byte aligned), and no thread spills to local memory."""
+    tells the compiler they are 16-byte aligned), and no thread spills to local memory.
+    The block counts are not specialized on: the kernel built at warm-up (one block)
+    serves every sleep, with no build inside one."""
     triton = needs.module("triton")
     cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
     if not cuobjdump.is_file():
@@ -304,6 +308,7 @@ def test_the_kernel_builds_for_hopper_with_16_byte_loads_and_no_local_memory(tmp
     usage = subprocess.run([str(cuobjdump), "-res-usage", str(tmp_path / "kernel.cubin")],
                            capture_output=True, text=True, check=True).stdout
     assert re.search(r"REG:\d+ STACK:0 SHARED:\d+ LOCAL:0 ", usage), usage
+    assert (tmp_path / "unspecialized").read_text() == "k2_len nblocks"
 
 
 def test_unaligned_spans_use_the_reference(ck, monkeypatch):

@@ -21,7 +21,8 @@ Keys, drawn from os.urandom in each process, all independent: for each of the tw
 hashes, K1[0..B) uniform 32-bit words (the random bits as they come), and for every
 block index b used so far four keys K2[b][0..4) uniform in F_p, p = 2^32 - 5 (the
 largest prime below 2^32; 32 random bits, the 5 values >= p drawn again: exactly
-uniform). The K2 table grows with the largest allocation (32 bytes per block index).
+uniform). The K2 table grows, with fresh draws, to the largest allocation's number of
+blocks (on the device, 32 bytes of keys per block index).
 
 Inner layer, NH (Black, Halevi, Krawczyk, Krovetz, Rogaway, "UMAC: Fast and secure
 message authentication", CRYPTO 1999), one 64-bit value per block:
@@ -39,15 +40,14 @@ n < 2^16 < p (so the map from N_b to (n_{b,0..3}) in F_p^4 is one to one), and
 
 Why a change is missed with probability < 2^-61.99. Take two byte strings M != M' of
 the same length, fixed independently of the keys (the keys are secret to the
-process, drawn when it starts, and nothing that writes GPU memory reads them); some
-block b0 differs. Let E be the event that N_b = N'_b for every b. E implies
+process, and nothing that writes GPU memory reads them); some block b0 differs. Let E be the event that N_b = N'_b for every b. E implies
 N_b0 = N'_b0, so Pr[E] <= 2^-32 (NH, over K1). Outside E some N_b1 != N'_b1, so some
 piece differs: d = n_{b1,k1} - n'_{b1,k1} is nonzero mod p (|d| < 2^16 < p). Fix K1
 and every K2 key except K2[b1][k1] (independent of them, uniform): h(M) - h(M') =
 d * K2[b1][k1] + c (mod p) is zero for exactly one of the p values, probability 1/p.
 So Pr[h(M) = h(M')] <= Pr[E] + Pr[not E and equal] <= 2^-32 + 1/p. The two hashes
 use independent keys, so both miss with probability <= (2^-32 + 1/p)^2
-= 2^-62 * (1 + 1.2e-9) < 2^-61.99 <= 2^-60: for any change of any byte, any
+= 2^-62 * (1 + about 1.2e-9) < 2^-61.99 <= 2^-60: for any change of any byte, any
 permutation of words, any change that keeps a sum. The bound is per allocation and
 per sleep; n comparisons miss one at most n times as often (union bound).
 
@@ -58,11 +58,12 @@ reduced mod p per block (< 2^32); the block values are summed per allocation in
 int64 (exact up to 2^31 blocks) and reduced. The Triton kernel and the pure-torch
 reference compute the same function bit for bit.
 
-The kernel reads each byte once, at memory speed: a grid over every block of every
-allocation of the sleep (one launch; one descriptor per block: address, bytes, block
-index), each program taking GROUP blocks with both K1 tables held in registers as
-64-bit pairs (m_{2i} | m_{2i+1} << 32: 16-byte vector loads of the data), a 32x32->64
-multiply-add per pair, one reduction per block and the outer layer on scalars. The
+The kernel reads each byte once, laid out to run at memory speed (not yet measured
+on a GPU: bench/checksum_bench.py): a grid over every block of every allocation of
+the sleep (one launch; one descriptor per block: address, bytes, block index), each
+program taking GROUP blocks with both K1 tables held in registers as 64-bit pairs
+(m_{2i} | m_{2i+1} << 32: 16-byte vector loads of the data), a 32x32->64
+multiply-add per pair, one reduction per block, then the outer layer. The
 per-allocation sums are a cumsum over the blocks' values.
 """
 
