@@ -12,11 +12,13 @@ is built for sm_90 (no GPU needed) to check its loads and registers.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import random
 import re
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import needs
@@ -83,9 +85,6 @@ def sums(checksum, data: torch.Tensor) -> tuple[int, int]:
 
 
 def test_p_is_prime_and_two_checksums_miss_below_2_to_the_61_99(ck):
-    from fractions import Fraction
-    import math
-
     p = ck.P
     assert pow(2, p - 1, p) == 1 and all(p % d for d in range(3, 1 << 16, 2))  # no factor <= sqrt(p)
     assert p > 1 << 16  # a 16-bit piece is nonzero mod p when nonzero
