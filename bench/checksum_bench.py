@@ -6,10 +6,13 @@ and the memory traffic is twice that: a read and a write), then the checksum of 
 buffer, as one span and as spans of --span-mib (a model's allocations), each the full call
 the sleep makes (descriptors, one launch, the per-span sums read back to the host). The
 ratio is the checksum's bytes read per second over the copy's traffic per second: the
-share of the card's memory bandwidth it reaches. The first size also tries a few launch
-shapes (programs per SM, warps) and keeps the fastest. One JSON line per measurement.
+share of the card's memory bandwidth it reaches. The first size also tries every launch
+shape (32-bit words per block x warps x blocks per program, the module's defaults among
+them), one JSON line each, and measures the sizes with the fastest; the module's defaults
+(BLOCK, NUM_WARPS, GROUP) are to be set from that line. One JSON line per measurement.
 
     python3 bench/checksum_bench.py [--module PATH] [--sizes 1 4 12]
+        [--blocks 1024 2048 4096] [--warps 4 8] [--groups 1 4]
 """
 
 from __future__ import annotations
@@ -52,15 +55,19 @@ def main() -> int:
     parser.add_argument("--sizes", type=float, nargs="+", default=[1, 4, 12], help="GiB")
     parser.add_argument("--span-mib", type=int, default=48)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--blocks", type=int, nargs="+", default=[1024, 2048, 4096],
+                        help="32-bit words per block (a power of two)")
+    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--groups", type=int, nargs="+", default=[1, 4], help="blocks per program")
     args = parser.parse_args()
     ck = load(args.module)
-    shape = {"programs_per_sm": 8, "num_warps": 8}
+    shape = {"block": ck.BLOCK, "num_warps": ck.NUM_WARPS, "group": ck.GROUP}
     for i, gib in enumerate(args.sizes):
         n = int(gib * (1 << 30))
         buf = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
         copy_s = copy_seconds(buf, args.repeat)
         if i == 0:
-            shape = fastest_shape(ck, buf, args.repeat)
+            shape = fastest_shape(ck, buf, args)
         checksum = ck.Checksum(**shape)
         step = args.span_mib << 20
         layouts = {"one span": [(buf.data_ptr(), n)],
@@ -84,17 +91,30 @@ def copy_seconds(buf: torch.Tensor, repeat: int) -> float:
     return best_seconds(lambda: out.copy_(buf), repeat)
 
 
-def fastest_shape(ck, buf, repeat: int) -> dict:
+def equals_reference(checksum, buf: torch.Tensor) -> bool:
+    """The kernel's sums of the first MiB and 3 bytes (an odd tail) are the reference's."""
+    n = min(buf.numel(), (1 << 20) + 3)
+    kernel = checksum.sums([(buf.data_ptr(), n)], buf.device).tolist()
+    return kernel == [checksum.reference(buf[:n]).tolist()]
+
+
+def fastest_shape(ck, buf, args) -> dict:
+    """Every shape of the sweep on one span of ``buf``, one JSON line each; the fastest."""
+    defaults = (ck.BLOCK, ck.NUM_WARPS, ck.GROUP)
     results = {}
-    for per_sm in (4, 8, 16):
-        for warps in (4, 8):
-            checksum = ck.Checksum(programs_per_sm=per_sm, num_warps=warps)
-            spans = [(buf.data_ptr(), buf.numel())]
-            results[(per_sm, warps)] = best_seconds(lambda c=checksum, s=spans: c.sums(s, buf.device), repeat)
-            print(json.dumps({"shape_trial": {"programs_per_sm": per_sm, "num_warps": warps},
-                              "gbps": round(buf.numel() / results[(per_sm, warps)] / 1e9, 1)}), flush=True)
-    per_sm, warps = min(results, key=results.get)
-    return {"programs_per_sm": per_sm, "num_warps": warps}
+    spans = [(buf.data_ptr(), buf.numel())]
+    for block in args.blocks:
+        for warps in args.warps:
+            for group in args.groups:
+                checksum = ck.Checksum(block=block, num_warps=warps, group=group)
+                shape = (block, warps, group)
+                results[shape] = best_seconds(lambda c=checksum: c.sums(spans, buf.device).tolist(), args.repeat)
+                print(json.dumps({"shape_trial": {"block": block, "num_warps": warps, "group": group},
+                                  "module_default": shape == defaults,
+                                  "kernel_equals_reference": equals_reference(checksum, buf),
+                                  "gbps": round(buf.numel() / results[shape] / 1e9, 1)}), flush=True)
+    block, warps, group = min(results, key=results.get)
+    return {"block": block, "num_warps": warps, "group": group}
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ A buffer of --mib MiB plus 3 bytes (an odd size) on the GPU, its checksum (the T
 kernel) checked once against the pure-torch reference on the same GPU (bit for bit);
 then --n mutations, each applied in place, checksummed, undone: a flipped bit, two
 elements swapped (1, 2, 4 or 8 bytes wide), +d at one 16-bit word and -d at another (the
-sum kept), +d, -2d, +d at three equally spaced words. A mutation whose checksum equals
+sum kept), +d, -2d, +d at three equally spaced words, the two 32-bit words of an 8-byte
+pair swapped (NH multiplies them: only its keys tell the two orders apart). A mutation whose checksum equals
 the original's is undetected (must be 0); every 100th undo is checked to give the
 original checksum back. Prints one JSON object.
 
@@ -24,7 +25,7 @@ import torch
 
 DEFAULT = (Path(__file__).resolve().parents[1]
            / "patches/fixes/cumem-skip-unchanged/new/vllm/device_allocator/cumem_checksum.py")
-KINDS = ("bit", "swap1", "swap2", "swap4", "swap8", "plus_minus", "plus_minus2_plus")
+KINDS = ("bit", "swap1", "swap2", "swap4", "swap8", "plus_minus", "plus_minus2_plus", "pair_swap")
 
 
 def load(path: Path):
@@ -47,6 +48,10 @@ def mutate(buf: torch.Tensor, kind: str, rng: random.Random) -> None:
             if not torch.equal(elems[i], elems[j]):
                 break
         elems[[i, j]] = elems[[j, i]]
+    elif kind == "pair_swap":
+        pairs = buf[: buf.numel() // 8 * 8].view(-1, 2, 4)
+        i = rng.randrange(pairs.shape[0])
+        pairs[i] = pairs[i].flip(0)  # equal words: no change, skipped by the caller
     else:
         words = buf[: buf.numel() // 2 * 2].view(torch.int16)
         d = rng.randrange(1, 1000)

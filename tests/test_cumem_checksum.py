@@ -5,15 +5,20 @@ The module is loaded by path from its source in this repository
 test_generated.py keeps them in step). Its pure-torch reference is checked against the
 formula computed with Python integers, then against the changes a checksum must see
 (any bit, swapped elements, changes that keep a sum); the Triton kernel runs in Triton's
-CPU interpreter (TRITON_INTERPRET=1) and must give the reference's sums bit for bit.
+CPU interpreter (TRITON_INTERPRET=1) and must give the reference's sums bit for bit, and it
+is built for sm_90 (no GPU needed) to check its loads and registers.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import random
+import re
+import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import needs
@@ -26,8 +31,12 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
 
 SOURCE = (Path(__file__).resolve().parents[1]
           / "patches/fixes/cumem-skip-unchanged/new/vllm/device_allocator/cumem_checksum.py")
-# Sizes that are odd, shorter than a block, one byte either side of a block, several blocks.
-SIZES = [1, 2, 3, 101, 8191, 8192, 8193, 3 * 8192 + 7]
+# Sizes that are odd, shorter than a word or a pair, shorter than a block (8 KiB), one
+# byte either side of a block, several blocks.
+SIZES = [1, 2, 3, 4, 5, 7, 8, 9, 101, 4095, 8191, 8192, 8193, 3 * 8192 + 7]
+# Blocks of 16 and 64 words (64 and 256 bytes): many blocks and partial blocks in little
+# data, for the interpreter and the Python formula.
+SMALL = [1, 3, 4, 63, 64, 65, 255, 257, 4095, 8193]
 
 
 def load(name: str = "_cumem_checksum_under_test"):
@@ -53,15 +62,20 @@ def rand_bytes(n: int, seed: int) -> torch.Tensor:
 
 
 def python_checksum(ck, checksum, data: bytes) -> list[int]:
-    """The docstring's formula with Python integers: K1^T W K2 mod p, twice."""
-    words = [data[i] + 256 * (data[i + 1] if i + 1 < len(data) else 0) for i in range(0, len(data), 2)]
+    """The docstring's formula with Python integers: per block NH over little-endian
+    32-bit words (zero padded) mod 2^64, cut in 16-bit pieces times K2 mod p, twice."""
+    block = checksum.block
+    data = data + bytes(-len(data) % (4 * block))
+    words = [int.from_bytes(data[i:i + 4], "little") for i in range(0, len(data), 4)]
     out = []
     for h in range(ck.HASHES):
         k1, k2 = checksum.k1[h].tolist(), checksum.k2[h].tolist()
         total = 0
-        for b in range(0, len(words), ck.BLOCK):
-            inner = sum(w * k for w, k in zip(words[b:b + ck.BLOCK], k1))
-            total += (inner % ck.P) * k2[b // ck.BLOCK]
+        for b in range(len(words) // block):
+            m = words[b * block:(b + 1) * block]
+            nh = sum(((m[2 * i] + k1[2 * i]) % 2**32) * ((m[2 * i + 1] + k1[2 * i + 1]) % 2**32)
+                     for i in range(block // 2)) % 2**64
+            total += sum(((nh >> (16 * k)) & 0xFFFF) * k2[b][k] for k in range(4)) % ck.P
         out.append(total % ck.P)
     return out
 
@@ -70,11 +84,35 @@ def sums(checksum, data: torch.Tensor) -> tuple[int, int]:
     return tuple(checksum.reference(data).tolist())
 
 
-def test_p_is_prime_and_two_checksums_miss_below_2_to_the_60(ck):
+def test_p_is_prime_and_two_checksums_miss_below_2_to_the_61_99(ck):
     p = ck.P
     assert pow(2, p - 1, p) == 1 and all(p % d for d in range(3, 1 << 16, 2))  # no factor <= sqrt(p)
-    assert 4 * 2**60 < p * p  # 4 / p^2 < 2^-60
-    assert (2**16 - 1) * (p - 1) * ck.BLOCK < 2**63  # a block's sum fits in int64
+    assert p > 1 << 16  # a 16-bit piece is nonzero mod p when nonzero
+    miss = (Fraction(1, 2**32) + Fraction(1, p)) ** 2  # the docstring's bound, exactly
+    assert miss < Fraction(1, 2**60) and math.log2(miss) < -61.99
+    assert 4 * (2**16 - 1) * (p - 1) < 2**63  # the outer layer of a block fits in int64
+    assert 2**31 * (p - 1) < 2**63  # so do 2^31 block values summed
+
+
+@pytest.mark.parametrize(("words", "w"), [(2, 4), (4, 2)])
+def test_nh_collides_for_at_most_2_to_the_minus_w_of_the_keys(words, w):
+    """The UMAC paper's theorem the docstring rests on, checked exhaustively at a small
+    word size w (every pair of distinct messages of ``words`` w-bit words, every key):
+    NH(M) = NH(M') for at most 2^-w of the keys."""
+    size = 1 << w
+    grid = torch.cartesian_prod(*[torch.arange(size)] * words)  # every message, every key
+    x = (grid.unsqueeze(1) + grid.unsqueeze(0)) % size  # [message, key, word]
+    nh = (x[..., 0::2] * x[..., 1::2]).sum(-1) % (size * size)  # [message, key]
+    same = (nh.unsqueeze(0) == nh.unsqueeze(1)).sum(-1)  # keys on which two messages collide
+    same.fill_diagonal_(0)
+    assert int(same.max()) == grid.shape[0] // size  # the bound, reached
+
+
+def test_block_must_be_a_power_of_two_of_at_least_16_words(ck):
+    for bad in (8, 24, 1000):
+        with pytest.raises(ValueError, match="power of two"):
+            ck.Checksum(block=bad, use_triton=False)
+    assert ck.Checksum(block=16, use_triton=False).k1.shape == (ck.HASHES, 16)
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -83,10 +121,22 @@ def test_reference_is_the_formula(ck, checksum, n):
     assert list(sums(checksum, data)) == python_checksum(ck, checksum, bytes(data.tolist()))
 
 
+@pytest.mark.parametrize("block", [16, 64])
+def test_reference_is_the_formula_over_many_blocks(ck, block):
+    checksum = ck.Checksum(block=block, use_triton=False)
+    for n in SMALL:
+        data = rand_bytes(n, n)
+        assert list(sums(checksum, data)) == python_checksum(ck, checksum, bytes(data.tolist())), n
+    ones = torch.full((4 * block * 3,), 0xFF, dtype=torch.uint8)  # products near 2^64: wraps
+    assert list(sums(checksum, ones)) == python_checksum(ck, checksum, bytes(ones.tolist()))
+
+
 def test_keys_are_uniform_below_p_and_fresh_per_process(ck):
     keys = ck.uniform_keys(100_000)
     assert int(keys.min()) >= 0 and int(keys.max()) < ck.P
     assert int(keys.max()) > (1 << 31)  # the whole range, not 31 bits
+    words = ck.random_words(100_000)  # K1: any 32-bit word
+    assert int(words.min()) >= 0 and int(words.max()) < 1 << 32 and int(words.max()) > (1 << 31)
     other = ck.Checksum(use_triton=False)
     data = rand_bytes(8193, 1)
     # another process draws other keys: other sums for the same bytes
@@ -133,6 +183,21 @@ def test_swapping_two_elements_changes_the_sums(checksum, width):
     assert sums(checksum, data) == before
 
 
+def test_swapping_the_two_words_of_a_pair_changes_the_sums(checksum):
+    """NH multiplies the two words of a pair: swapped, their product alone is the same,
+    and only the keys added before the product tell them apart."""
+    data = rand_bytes(3 * 8192 + 7, 5)
+    before = sums(checksum, data)
+    pairs = data[: data.numel() // 8 * 8].view(-1, 2, 4)
+    for i in random.Random(5).sample(range(pairs.shape[0]), 100):
+        if torch.equal(pairs[i, 0], pairs[i, 1]):
+            continue
+        pairs[i] = pairs[i].flip(0)
+        assert sums(checksum, data) != before, i
+        pairs[i] = pairs[i].flip(0)
+    assert sums(checksum, data) == before
+
+
 def test_changes_that_keep_a_sum_change_the_sums(checksum):
     """+d at one word and -d at another (the words' sum, and a float sum, unchanged);
     +d, -2d, +d at three (also the first moment, for equally spaced words)."""
@@ -164,22 +229,85 @@ def test_sums_of_spans_are_each_spans_reference(ck):
     assert got.tolist() == [checksum.reference(b).tolist() for b in bufs]
 
 
-@pytest.mark.triton
-def test_triton_kernel_gives_the_reference_sums(ck):
-    """One launch for every span (persistent programs walking several blocks each): the
-    same sums as the reference, bit for bit, odd sizes and partial blocks included."""
+def needs_kernel():
     needs.module("triton")
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         needs.missing("triton was imported before TRITON_INTERPRET=1 was set, and no GPU")
+
+
+@pytest.mark.triton
+def test_triton_kernel_gives_the_reference_sums(ck):
+    """One launch for every span: the same sums as the reference, bit for bit, odd sizes
+    and partial blocks and words included."""
+    needs_kernel()
     checksum = ck.Checksum()
     assert checksum.use_triton
     bufs = [rand_bytes(n, n) for n in SIZES]
     bufs.append(torch.zeros(5, dtype=torch.uint8))
     got = checksum.sums([(b.data_ptr(), b.numel()) for b in bufs], "cpu")
     assert got.tolist() == [checksum.reference(b).tolist() for b in bufs]
-    bufs[3][50] ^= 0x10  # a change is seen by the kernel too
+    bufs[3][2] ^= 0x10  # a change is seen by the kernel too
     again = checksum.sums([(b.data_ptr(), b.numel()) for b in bufs], "cpu")
     assert [i for i in range(len(bufs)) if again[i].tolist() != got[i].tolist()] == [3]
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize(("block", "group"), [(16, 1), (16, 3), (64, 2)])
+def test_triton_kernel_over_many_blocks_and_spans(ck, block, group):
+    """Small blocks: many blocks per span, programs of several blocks, a last program
+    with fewer; every partial block and partial word the reference pads with zeros."""
+    needs_kernel()
+    checksum = ck.Checksum(block=block, group=group)
+    bufs = [rand_bytes(n, n + block) for n in SMALL + [8 * block * 4 + 3]]
+    got = checksum.sums([(b.data_ptr(), b.numel()) for b in bufs], "cpu")
+    assert got.tolist() == [checksum.reference(b).tolist() for b in bufs]
+    assert got.tolist() == [python_checksum(ck, checksum, bytes(b.tolist())) for b in bufs]
+
+
+BUILD_FOR_HOPPER = """
+import importlib.util, sys
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+spec = importlib.util.spec_from_file_location("cumem_checksum", sys.argv[1])
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+pointers = ["addr_ptr", "nbytes_ptr", "index_ptr", "k1_ptr", "k2_ptr", "out_ptr"]
+signature = {"addr_ptr": "*i64", "nbytes_ptr": "*i32", "index_ptr": "*i32", "k1_ptr": "*i64",
+             "k2_ptr": "*i32", "k2_len": "i32", "out_ptr": "*i64", "nblocks": "i32",
+             "P": "constexpr", "PAIRS": "constexpr", "GROUP": "constexpr"}
+aligned = {(list(signature).index(n),): [["tt.divisibility", 16]] for n in pointers}
+source = ASTSource(fn=mod._block_values, signature=signature, attrs=aligned,
+                   constexprs={"P": mod.P, "PAIRS": mod.BLOCK // 2, "GROUP": mod.GROUP})
+built = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": mod.NUM_WARPS})
+Path(sys.argv[2], "kernel.ptx").write_text(built.asm["ptx"])
+Path(sys.argv[2], "kernel.cubin").write_bytes(built.asm["cubin"])
+Path(sys.argv[2], "unspecialized").write_text(
+    " ".join(p.name for p in mod._block_values.params if p.do_not_specialize))
+"""
+
+
+@pytest.mark.triton
+def test_the_kernel_builds_for_hopper_with_16_byte_loads_and_no_local_memory(tmp_path):
+    """Built for sm_90 without a GPU (Triton's own ptxas, in a process of its own: this one
+    interprets), at the module's launch shape: a whole block's data is read with 16-byte
+    loads marked evict-first (the addresses come from descriptors: only the alignment hint
+    tells the compiler they are 16-byte aligned), and no thread spills to local memory.
+    The block counts are not specialized on: the kernel built at warm-up (one block)
+    serves every sleep, with no build inside one."""
+    triton = needs.module("triton")
+    cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    if not cuobjdump.is_file():
+        needs.missing("Triton's cuobjdump")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # a kernel to compile, not to interpret
+    subprocess.run([sys.executable, "-c", BUILD_FOR_HOPPER, str(SOURCE), str(tmp_path)],
+                   env=env, check=True)
+    assert "ld.global.L1::evict_first.L2::cache_hint.v2.b64" in (tmp_path / "kernel.ptx").read_text()
+    usage = subprocess.run([str(cuobjdump), "-res-usage", str(tmp_path / "kernel.cubin")],
+                           capture_output=True, text=True, check=True).stdout
+    assert re.search(r"REG:\d+ STACK:0 SHARED:\d+ LOCAL:0 ", usage), usage
+    assert (tmp_path / "unspecialized").read_text() == "k2_len nblocks"
 
 
 def test_unaligned_spans_use_the_reference(ck, monkeypatch):

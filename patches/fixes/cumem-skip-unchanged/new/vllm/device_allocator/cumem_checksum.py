@@ -11,43 +11,60 @@ as before. Off by default: VLLM_CUMEM_SKIP_UNCHANGED=1 turns it on.
 
 The checksum
 ------------
-The allocation's bytes are read as 16-bit little-endian words w_i (a trailing odd
-byte is a word of its own, its high byte zero), so that each word is an element of
-F_p, p = 2^32 - 5 (the largest prime below 2^32). The index i is split as (block b,
-offset j), i = b*B + j, B = 4096 words. Keys are drawn from os.urandom in each
-process, uniform in F_p (32 random bits, the 5 values >= p drawn again: exactly
-uniform): K1[j] for j < B and K2[b] for every block index used so far (the table
-grows with the largest allocation: 4 bytes of keys per 8 KiB of data). The checksum
-is the bilinear form
+An allocation's bytes are read as little-endian 32-bit words, zero padded to a whole
+number of blocks of B words (B = BLOCK, a power of two; a trailing partial word is
+padded with zero bytes): block b holds m_{b,0} .. m_{b,B-1}. Buffers of different
+lengths are never compared (an allocation's length is fixed), and for one length the
+padding is one to one: two buffers of the same length differ iff some block differs.
 
-    h(W) = sum_b K2[b] * (sum_j K1[j] * w_{b,j} mod p) mod p  =  K1^T W K2  (mod p),
+Keys, drawn from os.urandom in each process, all independent: for each of the two
+hashes, K1[0..B) uniform 32-bit words (the random bits as they come), and for every
+block index b used so far four keys K2[b][0..4) uniform in F_p, p = 2^32 - 5 (the
+largest prime below 2^32; 32 random bits, the 5 values >= p drawn again: exactly
+uniform). The K2 table grows, with fresh draws, to the largest allocation's number of
+blocks (on the device, 32 bytes of keys per block index).
 
-W being the words as a B x nblocks matrix, zero padded. Two buffers of the same
-length whose bytes differ have words that differ (the map from bytes to words is
-one to one for a given length), so D = W - W' != 0 mod p (0 <= w < 2^16 < p), and
-h(W) = h(W') iff K1^T D K2 = 0. With K2 uniform, the vector D K2 is zero with
-probability <= 1/p (a nonzero row of D dotted with K2); when it is not, its dot with
-the independent K1 is zero with probability exactly 1/p. So one checksum misses with
-probability <= 1/p + 1/p < 2/p (the Schwartz-Zippel bound for this degree-2
-polynomial), and two checksums with independent keys (two K1 and two K2 tables) miss
-together with probability < 4/p^2 = 2^-61.99999999 <= 2^-60. This holds for any
-change of any byte, any permutation of words and any change that keeps a sum,
-whatever the data: the keys are secret and drawn after the data exist, so no fixed
-input is bad for them. (p = 2^31 - 1 would give 4/p^2 = 2^-60 * (1 + 2^-30), just
-above 2^-60.) Lengths are fixed per allocation: buffers of different lengths are
-never compared.
+Inner layer, NH (Black, Halevi, Krawczyk, Krovetz, Rogaway, "UMAC: Fast and secure
+message authentication", CRYPTO 1999), one 64-bit value per block:
 
-Arithmetic, all in int64 and exact: w * K1 < 2^16 * 2^32 = 2^48, and a block sum of
-B = 2^12 of them is < 2^60. Its residue r < 2^32 times K2 < 2^32 would not fit, so
-K2 is split in 16-bit halves: ((r * K2_hi mod p) * 2^16 + r * K2_lo) mod p, every
-term < 2^49. The per-block values (< 2^32) are summed per allocation (exact for up to
-2^31 blocks, 16 TiB) and reduced. The Triton kernel and the pure-torch reference
-below compute the same function bit for bit.
+    N_b = sum_{i < B/2} ((m_{b,2i} + K1[2i]) mod 2^32) * ((m_{b,2i+1} + K1[2i+1]) mod 2^32)
+          mod 2^64.
 
-The kernel reads each byte once: a persistent grid, each program keeps both K1
-tables in registers and walks blocks (one descriptor per block: address, bytes,
-block index), writing two residues per block; the per-allocation sums are a cumsum.
-One launch covers every allocation of a sleep.
+The UMAC paper proves NH 2^-32-almost-universal on inputs of equal length: for any
+fixed blocks X != X' of B words, Pr over K1 [NH(X) = NH(X')] <= 2^-32.
+
+Outer layer: N_b is cut into 16-bit pieces, N_b = sum_{k<4} n_{b,k} 2^(16k), each
+n < 2^16 < p (so the map from N_b to (n_{b,0..3}) in F_p^4 is one to one), and
+
+    h = sum_b sum_{k<4} n_{b,k} * K2[b][k]  mod p.
+
+Why a change is missed with probability < 2^-61.99. Take two byte strings M != M' of
+the same length, fixed independently of the keys (the keys are secret to the
+process, and nothing that writes GPU memory reads them); some block b0 differs. Let E be the event that N_b = N'_b for every b. E implies
+N_b0 = N'_b0, so Pr[E] <= 2^-32 (NH, over K1). Outside E some N_b1 != N'_b1, so some
+piece differs: d = n_{b1,k1} - n'_{b1,k1} is nonzero mod p (|d| < 2^16 < p). Fix K1
+and every K2 key except K2[b1][k1] (independent of them, uniform): h(M) - h(M') =
+d * K2[b1][k1] + c (mod p) is zero for exactly one of the p values, probability 1/p.
+So Pr[h(M) = h(M')] <= Pr[E] + Pr[not E and equal] <= 2^-32 + 1/p. The two hashes
+use independent keys, so both miss with probability <= (2^-32 + 1/p)^2
+= 2^-62 * (1 + about 1.2e-9) < 2^-61.99 <= 2^-60: for any change of any byte, any
+permutation of words, any change that keeps a sum. The bound is per allocation and
+per sleep; n comparisons miss one at most n times as often (union bound).
+
+Arithmetic: the 32-bit additions wrap, the products are < 2^64, and a block's sum is
+taken mod 2^64 (Triton's uint64 wraps; the pure-torch reference uses int64, whose
+two's-complement wrap gives the same bits). Four pieces times keys are < 2^50,
+reduced mod p per block (< 2^32); the block values are summed per allocation in
+int64 (exact up to 2^31 blocks) and reduced. The Triton kernel and the pure-torch
+reference compute the same function bit for bit.
+
+The kernel reads each byte once, laid out to run at memory speed (not yet measured
+on a GPU: bench/checksum_bench.py): a grid over every block of every allocation of
+the sleep (one launch; one descriptor per block: address, bytes, block index), each
+program taking GROUP blocks with both K1 tables held in registers as 64-bit pairs
+(m_{2i} | m_{2i+1} << 32: 16-byte vector loads of the data), a 32x32->64
+multiply-add per pair, one reduction per block, then the outer layer. The
+per-allocation sums are a cumsum over the blocks' values.
 """
 
 from __future__ import annotations
@@ -55,6 +72,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import sys
 import time
 from collections.abc import Iterable, Sequence
 
@@ -69,8 +87,14 @@ except ImportError:  # the pure-torch reference serves (slower, same sums)
 logger = logging.getLogger(__name__)
 
 P = (1 << 32) - 5  # prime
-BLOCK = 4096  # words per block: the length of K1
 HASHES = 2
+PIECES = 4  # 16-bit pieces of a block's 64-bit NH value: four K2 keys per block
+# The launch shape; bench/checksum_bench.py sweeps them (block size changes the
+# function, not its strength: keys are per instance).
+BLOCK = 2048  # 32-bit words per block (8 KiB): the length of K1
+NUM_WARPS = 4
+GROUP = 1  # blocks per program
+MASK32 = 0xFFFFFFFF
 
 
 def _env(name: str, default: str) -> str:
@@ -83,8 +107,9 @@ def _env(name: str, default: str) -> str:
 
 
 def enabled() -> bool:
-    # Off unless asked for: on an H200 this kernel reads 57 GB/s, about as fast as
-    # the device-to-host copy it would save (bench/checksum_bench.py, 2026-11-27).
+    # Off unless asked for, until the NH kernel is measured on a GPU: the kernel it
+    # replaced read 57 GB/s on an H200, about the speed of the device-to-host copy it
+    # would save (bench/checksum_bench.py, 2026-11-27).
     return _env("VLLM_CUMEM_SKIP_UNCHANGED", "0").strip().lower() in (
         "1", "true", "on")
 
@@ -94,15 +119,15 @@ def uniform_keys(n: int) -> torch.Tensor:
     drawn again."""
     keys = torch.empty(0, dtype=torch.int64)
     while keys.numel() < n:
-        raw = torch.frombuffer(bytearray(os.urandom(4 * n)), dtype=torch.int32)
-        raw = raw.to(torch.int64) & 0xFFFFFFFF
+        raw = random_words(n)
         keys = torch.cat([keys, raw[raw < P]])
     return keys[:n]
 
 
-def times_key(r, key, p: int):
-    """r * key mod p for r, key < 2^32, every step < 2^63 (torch or Triton)."""
-    return ((r * (key >> 16)) % p * 65536 + r * (key & 0xFFFF)) % p
+def random_words(n: int) -> torch.Tensor:
+    """n uniform 32-bit words from os.urandom, as int64 in [0, 2^32)."""
+    raw = torch.frombuffer(bytearray(os.urandom(4 * n)), dtype=torch.int32)
+    return raw.to(torch.int64) & MASK32
 
 
 def device_view(addr: int, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -122,54 +147,77 @@ if triton is not None:
 
     @triton.jit
     def _key(stored):
-        """A key stored as the 32-bit pattern of an int32, zero-extended."""
+        """A K2 key stored as the 32-bit pattern of an int32, zero-extended."""
         return stored.to(tl.uint32, bitcast=True).to(tl.int64)
 
     @triton.jit
-    def _times_key(r, key, P: tl.constexpr):
-        return ((r * (key >> 16)) % P * 65536 + r * (key & 0xFFFF)) % P
+    def _pairs(addr, nb, i, PAIRS: tl.constexpr):
+        """A block's words as uint64 pairs m_2i | m_2i+1 << 32, zero padded."""
+        pairs = tl.multiple_of(addr.to(tl.pointer_type(tl.uint64)), 16)
+        if nb == 8 * PAIRS:  # a whole block: unmasked 16-byte loads
+            x = tl.load(pairs + i, eviction_policy="evict_first")  # read once
+        else:  # an allocation's last block: the bytes after the last whole pair
+            full = nb // 8  # are read one by one into a zero-padded pair
+            x = tl.load(pairs + i, mask=i < full, other=0)
+            j = tl.arange(0, 8)
+            tail = tl.load(addr.to(tl.pointer_type(tl.uint8)) + full * 8 + j,
+                           mask=j < nb - full * 8, other=0)
+            word = tl.sum(tail.to(tl.uint64) << (8 * j).to(tl.uint64), axis=0)
+            x = tl.where(i == full, word, x)
+        return x
 
     @triton.jit
-    def _block_residues(addr_ptr, nbytes_ptr, index_ptr, k1_ptr, k2_ptr, k2_len,
-                        out_ptr, nblocks, P: tl.constexpr, BLOCK: tl.constexpr):
-        """out[t] = ((sum_j K1[j] w_j) mod p) * K2[b] mod p for each block t, for
-        both hashes; blocks pid, pid + programs, ..."""
-        j = tl.arange(0, BLOCK)
-        k1a = _key(tl.load(k1_ptr + j))
-        k1b = _key(tl.load(k1_ptr + BLOCK + j))
-        for t in range(tl.program_id(0), nblocks, tl.num_programs(0)):
-            addr = tl.load(addr_ptr + t)
-            nb = tl.load(nbytes_ptr + t)
-            b = tl.load(index_ptr + t)
-            words = tl.multiple_of(addr, 16).to(tl.pointer_type(tl.uint16))
-            if nb == 2 * BLOCK:  # a whole block: unmasked, vector loads
-                w = tl.load(words + j).to(tl.int64)
-                s1 = tl.sum(w * k1a, axis=0)
-                s2 = tl.sum(w * k1b, axis=0)
-            else:  # an allocation's last block: masked, maybe an odd byte
-                nw = nb // 2
-                w = tl.load(words + j, mask=j < nw, other=0).to(tl.int64)
-                odd = (nb % 2) == 1
-                last = tl.load(addr.to(tl.pointer_type(tl.uint8)) + nb - 1,
-                               mask=odd, other=0).to(tl.int64)
-                ka = _key(tl.load(k1_ptr + nw, mask=odd, other=0))
-                kb = _key(tl.load(k1_ptr + BLOCK + nw, mask=odd, other=0))
-                s1 = tl.sum(w * k1a, axis=0) + last * ka
-                s2 = tl.sum(w * k1b, axis=0) + last * kb
-            r1 = _times_key(s1 % P, _key(tl.load(k2_ptr + b)), P)
-            r2 = _times_key(s2 % P, _key(tl.load(k2_ptr + k2_len + b)), P)
-            tl.store(out_ptr + 2 * t, r1)
-            tl.store(out_ptr + 2 * t + 1, r2)
+    def _nh(x, k):
+        """NH of one block: sum of (lo + k_lo mod 2^32) * (hi + k_hi mod 2^32) over
+        the pairs, mod 2^64 (a 32x32->64 multiply-add per pair)."""
+        a = x.to(tl.uint32) + k.to(tl.uint32)
+        b = (x >> 32).to(tl.uint32) + (k >> 32).to(tl.uint32)
+        return tl.sum(a.to(tl.uint64) * b.to(tl.uint64), axis=0)
+
+    @triton.jit
+    def _outer(nh, keys, P: tl.constexpr):
+        """sum_k (16-bit piece k of nh) * K2[b][k] mod p (keys: the block index's
+        four K2 keys), every term < 2^48."""
+        shifts = (16 * tl.arange(0, 4)).to(tl.uint64)
+        pieces = ((nh >> shifts) & 0xFFFF).to(tl.int64)
+        return tl.sum(pieces * keys, axis=0) % P
+
+    # Not specialized on the counts' values (1, multiples of 16): the kernel built at
+    # warm-up serves every sleep, with no build inside one.
+    @triton.jit(do_not_specialize=["k2_len", "nblocks"])
+    def _block_values(addr_ptr, nbytes_ptr, index_ptr, k1_ptr, k2_ptr, k2_len,
+                      out_ptr, nblocks, P: tl.constexpr, PAIRS: tl.constexpr,
+                      GROUP: tl.constexpr):
+        """out[t] = the outer layer of block t's NH value, for both hashes; GROUP
+        consecutive blocks per program, K1 loaded once."""
+        i = tl.arange(0, PAIRS)
+        ka = tl.load(k1_ptr + i).to(tl.uint64, bitcast=True)
+        kb = tl.load(k1_ptr + PAIRS + i).to(tl.uint64, bitcast=True)
+        q = tl.arange(0, 4)  # PIECES
+        for g in tl.static_range(GROUP):
+            t = tl.program_id(0).to(tl.int64) * GROUP + g
+            if t < nblocks:
+                row = k2_ptr + 4 * tl.load(index_ptr + t).to(tl.int64) + q
+                k2a = _key(tl.load(row))  # loaded first: their latency overlaps
+                k2b = _key(tl.load(row + 4 * k2_len))  # the data's
+                x = _pairs(tl.load(addr_ptr + t), tl.load(nbytes_ptr + t), i, PAIRS)
+                tl.store(out_ptr + 2 * t, _outer(_nh(x, ka), k2a, P))
+                tl.store(out_ptr + 2 * t + 1, _outer(_nh(x, kb), k2b, P))
 
 
 class Checksum:
-    """Two keyed checksums of byte spans in device memory, keys of this process."""
+    """Two keyed checksums of byte spans in device memory, keys of this process.
+    ``block`` (32-bit words per block, a power of two >= 16), ``num_warps`` and
+    ``group`` (blocks per program) shape the kernel; ``block`` also picks the function,
+    so sums are compared only between sums of one instance."""
 
-    def __init__(self, programs_per_sm: int = 8, num_warps: int = 8,
-                 use_triton: bool | None = None) -> None:
-        self.k1 = uniform_keys(HASHES * BLOCK).view(HASHES, BLOCK)
-        self.k2 = uniform_keys(HASHES * 1024).view(HASHES, 1024)
-        self.programs_per_sm, self.num_warps = programs_per_sm, num_warps
+    def __init__(self, block: int = BLOCK, num_warps: int = NUM_WARPS,
+                 group: int = GROUP, use_triton: bool | None = None) -> None:
+        if block < 16 or block & (block - 1):
+            raise ValueError(f"block must be a power of two >= 16, not {block}")
+        self.block, self.num_warps, self.group = block, num_warps, group
+        self.k1 = random_words(HASHES * block).view(HASHES, block)
+        self.k2 = uniform_keys(HASHES * 1024 * PIECES).view(HASHES, 1024, PIECES)
         self.use_triton = triton is not None if use_triton is None else use_triton
         self.view = device_view  # tests stand in for device memory here
         self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -181,15 +229,18 @@ class Checksum:
         self._on_device.clear()
 
     def _grow_k2(self, nblocks: int) -> None:
-        if nblocks > self.k2.shape[1]:
-            more = max(nblocks, 2 * self.k2.shape[1]) - self.k2.shape[1]
-            extra = uniform_keys(HASHES * more).view(HASHES, more)
+        have = self.k2.shape[1]
+        if nblocks > have:
+            more = max(nblocks, 2 * have) - have
+            extra = uniform_keys(HASHES * more * PIECES).view(HASHES, more, PIECES)
             self.k2 = torch.cat([self.k2, extra], dim=1)
             self._on_device.clear()
 
     def _keys_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """K1 as int64 pairs (word 2i in the low half: the data's layout), K2 as
+        the int32 bits of each key."""
         if device not in self._on_device:
-            self._on_device[device] = (_upload(_int32_bits(self.k1), device),
+            self._on_device[device] = (_upload(_pairs_of(self.k1), device),
                                        _upload(_int32_bits(self.k2), device))
         return self._on_device[device]
 
@@ -199,7 +250,7 @@ class Checksum:
         device = torch.device(device)
         if not spans:
             return torch.zeros(0, HASHES, dtype=torch.int64, device=device)
-        self._grow_k2(max(_blocks(n) for _, n in spans))
+        self._grow_k2(max(_blocks(n, 4 * self.block) for _, n in spans))
         aligned = all(addr % 16 == 0 for addr, _ in spans)
         if self.use_triton and aligned and (device.type == "cuda" or _interpreting()):
             return self._kernel_sums(spans, device)
@@ -208,44 +259,62 @@ class Checksum:
     def reference(self, data: torch.Tensor) -> torch.Tensor:
         """The checksums of one uint8 tensor in pure torch: [2] int64, same device."""
         data = data.reshape(-1)
-        nblocks = _blocks(data.numel())
+        nblocks = _blocks(data.numel(), 4 * self.block)
         self._grow_k2(nblocks)
         k1 = self.k1.to(data.device)
         k2 = self.k2[:, :nblocks].to(data.device)
         total = torch.zeros(HASHES, dtype=torch.int64, device=data.device)
-        step = 2048  # blocks per chunk: 64 MiB of int64 words at a time
+        step = max(1, (16 << 20) // (4 * self.block))  # blocks per chunk: 16 MiB
         for first in range(0, nblocks, step):
-            chunk = data[first * 2 * BLOCK:(first + step) * 2 * BLOCK]
-            n = -(-chunk.numel() // (2 * BLOCK))
-            padded = torch.zeros(n * 2 * BLOCK, dtype=torch.int64, device=data.device)
-            padded[:chunk.numel()] = chunk.to(torch.int64)
-            words = (padded[0::2] + 256 * padded[1::2]).view(n, BLOCK)
-            inner = (words.unsqueeze(0) * k1.view(HASHES, 1, BLOCK)).sum(-1) % P
-            total += times_key(inner, k2[:, first:first + n], P).sum(-1)
+            chunk = data[first * 4 * self.block:(first + step) * 4 * self.block]
+            words = _words(chunk, self.block)
+            for h in range(HASHES):
+                values = _outer_ref(_nh_ref(words, k1[h]), k2[h, first:first + len(words)])
+                total[h] += values.sum()
         return total % P
 
     def _kernel_sums(self, spans: Sequence[tuple[int, int]],
                      device: torch.device) -> torch.Tensor:
         key = (tuple(spans), device)
         if self._layout[0] != key:  # the same allocations, sleep after sleep: kept
-            self._layout = (key, [_pinned(x, device) for x in _descriptors(spans)])
+            host = _descriptors(spans, 4 * self.block)
+            self._layout = (key, [_pinned(x, device) for x in host])
         addrs, nbytes, index, ends = (_upload(x, device) for x in self._layout[1])
         k1, k2 = self._keys_on(device)
         nblocks = addrs.numel()
         out = torch.empty(nblocks, HASHES, dtype=torch.int64, device=device)
-        grid = (max(1, min(nblocks, self._programs(device))),)
-        _block_residues[grid](addrs, nbytes, index, k1, k2, k2.shape[1], out, nblocks,
-                              P=P, BLOCK=BLOCK, num_warps=self.num_warps)
+        grid = (-(-nblocks // self.group),)
+        _block_values[grid](addrs, nbytes, index, k1, k2, k2.shape[1], out, nblocks,
+                            P=P, PAIRS=self.block // 2, GROUP=self.group,
+                            num_warps=self.num_warps)
         total = torch.cat([torch.zeros(1, HASHES, dtype=torch.int64, device=device),
                            out.cumsum(0)])
         starts = torch.cat([ends.new_zeros(1), ends[:-1]])
         return (total[ends] - total[starts]) % P
 
-    def _programs(self, device: torch.device) -> int:
-        if device.type != "cuda":
-            return 3  # the interpreter: a few programs, each walking several blocks
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return sms * self.programs_per_sm
+
+def _words(chunk: torch.Tensor, block: int) -> torch.Tensor:
+    """The bytes as [blocks, block] little-endian 32-bit words in int64, zero
+    padded to whole blocks."""
+    n = -(-chunk.numel() // (4 * block))
+    padded = torch.zeros(n * 4 * block, dtype=torch.uint8, device=chunk.device)
+    padded[:chunk.numel()] = chunk
+    words = padded.view(-1, 4).to(torch.int64)  # byte order spelled out, not the host's
+    words = words[:, 0] | words[:, 1] << 8 | words[:, 2] << 16 | words[:, 3] << 24
+    return words.view(n, block)
+
+
+def _nh_ref(words: torch.Tensor, k1: torch.Tensor) -> torch.Tensor:
+    """NH per block, mod 2^64 as int64 (the products and their sum wrap)."""
+    x = (words + k1) & MASK32
+    return (x[:, 0::2] * x[:, 1::2]).sum(-1)
+
+
+def _outer_ref(nh: torch.Tensor, k2: torch.Tensor) -> torch.Tensor:
+    """Per block: sum_k (16-bit piece k of nh) * K2[b][k] mod p."""
+    shifts = torch.arange(PIECES, device=nh.device) * 16
+    pieces = (nh.unsqueeze(-1) >> shifts) & 0xFFFF  # an arithmetic shift, then masked
+    return (pieces * k2).sum(-1) % P
 
 
 def _interpreting() -> bool:
@@ -257,8 +326,15 @@ def _int32_bits(keys: torch.Tensor) -> torch.Tensor:
     return torch.where(keys >= 1 << 31, keys - (1 << 32), keys).to(torch.int32)
 
 
-def _blocks(nbytes: int) -> int:
-    return max(1, -(-nbytes // (2 * BLOCK)))
+def _pairs_of(k1: torch.Tensor) -> torch.Tensor:
+    """[hashes, block] 32-bit keys as [hashes, block/2] int64, key 2i in the low
+    half: the same bytes, read 8 at a time (little-endian, as CUDA hosts are)."""
+    assert sys.byteorder == "little"
+    return _int32_bits(k1).contiguous().view(torch.int64)
+
+
+def _blocks(nbytes: int, block_bytes: int) -> int:
+    return max(1, -(-nbytes // block_bytes))
 
 
 def _pinned(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -272,17 +348,17 @@ def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return _pinned(host, device).to(device, non_blocking=True)
 
 
-def _descriptors(spans: Sequence[tuple[int, int]]):
+def _descriptors(spans: Sequence[tuple[int, int]], block_bytes: int):
     """One entry per block of every span: its address, its bytes, its index in the
     span; and the end (exclusive, in blocks) of each span's run of blocks."""
-    counts = torch.tensor([_blocks(n) for _, n in spans], dtype=torch.int64)
+    counts = torch.tensor([_blocks(n, block_bytes) for _, n in spans], dtype=torch.int64)
     ends = counts.cumsum(0)
     span = torch.repeat_interleave(torch.arange(len(spans)), counts)
     index = torch.arange(int(ends[-1])) - (ends - counts)[span]
     base = torch.tensor([a for a, _ in spans], dtype=torch.int64)[span]
     size = torch.tensor([n for _, n in spans], dtype=torch.int64)[span]
-    offset = index * 2 * BLOCK
-    nbytes = torch.clamp(size - offset, max=2 * BLOCK)
+    offset = index * block_bytes
+    nbytes = torch.clamp(size - offset, max=block_bytes)
     return base + offset, nbytes.to(torch.int32), index.to(torch.int32), ends
 
 
