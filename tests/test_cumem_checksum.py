@@ -31,9 +31,9 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
 
 SOURCE = (Path(__file__).resolve().parents[1]
           / "patches/fixes/cumem-skip-unchanged/new/vllm/device_allocator/cumem_checksum.py")
-# Sizes that are odd, shorter than a word or a pair, shorter than a block (8 KiB), one
+# Sizes that are odd, shorter than a word or a pair, shorter than a block (16 KiB), one
 # byte either side of a block, several blocks.
-SIZES = [1, 2, 3, 4, 5, 7, 8, 9, 101, 4095, 8191, 8192, 8193, 3 * 8192 + 7]
+SIZES = [1, 2, 3, 4, 5, 7, 8, 9, 101, 4095, 8193, 16383, 16384, 16385, 3 * 16384 + 7]
 # Blocks of 16 and 64 words (64 and 256 bytes): many blocks and partial blocks in little
 # data, for the interpreter and the Python formula.
 SMALL = [1, 3, 4, 63, 64, 65, 255, 257, 4095, 8193]
