@@ -6,14 +6,14 @@
 #   scripts/gpu-engine-033.sh WHEELS_DIR TREES_DIR OUT
 #
 # WHEELS_DIR: the third-party wheels 0.33.0's offline LLM(...) path imports that the machine
-#   lacks. They are the 26 of the 0.21.0 payload's `dependencies` (data/gpu-payload.json),
-#   17.2 MB, without vLLM 0.21.0's wheel (the two 50 MB parts of the full payload do not
-#   fit one call). Gather them here, from the cache that `scripts/gpu-payload build` filled:
+#   lacks: the 0.21.0 payload's `dependencies` (data/gpu-payload.json) and two that 0.33.0's
+#   model loader adds (compressed-tensors, loguru), 42 wheels, 33.6 MB, without vLLM 0.21.0's
+#   wheel (the two 50 MB parts of the full payload do not fit one call). Gather them here, from the cache that `scripts/gpu-payload build` filled:
 #     python3 scripts/engine033/wheels.py .gpu-carry/wheels-0.33.0
 #   (it copies each pinned file and checks its sha256; none is missing from the cache once
 #   the payload has been built).
 # TREES_DIR: the folder `scripts/gpu-payload trees` wrote (parts and manifest.json), 7.4 MB.
-# Carry both folders and nothing else big: about 27 MB with the repository.
+# Carry both folders and nothing else big: about 44 MB with the repository.
 # Before spending the call, `scripts/engine033/cpu_check.py` repeats here (no GPU) the import
 # and model-build checks the study ran.
 #
