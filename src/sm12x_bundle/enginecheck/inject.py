@@ -169,8 +169,9 @@ def perturb_weights(worker, seed: int | str = 1) -> dict:
     """Change a weight in place, as a fine-tune step or a LoRA merge would: the rows of this
     rank's lm_head shard rolled by ``seed`` rows, so every greedy token moves (logit v becomes
     logit v - seed). The tensor keeps its address: the change is in the allocation the
-    allocator backed up, which a sleep must copy again. A rank without an lm_head (an early
-    pipeline stage) changes nothing and says so."""
+    allocator backed up, which a sleep must copy again. lm_head, not the embedding: no cached
+    prefix's KV depends on it, so the tokens after the change are the new weight's alone. A
+    rank without an lm_head (an early pipeline stage) changes nothing and says so."""
     import torch
 
     rank = int(getattr(worker, "rank", 0))
@@ -180,7 +181,8 @@ def perturb_weights(worker, seed: int | str = 1) -> dict:
     name, param = found[0]
     with torch.no_grad():
         param.data.copy_(torch.roll(param.data, shifts=int(seed), dims=0))
-    torch.cuda.synchronize()
+    if param.is_cuda:
+        torch.cuda.synchronize()  # done before the reply, so the next sleep sees the change
     return {"rank": rank, "changed": name, "shape": list(param.shape), "rows_rolled": int(seed)}
 
 
