@@ -24,6 +24,7 @@ import pytest
 from sm12x_bundle.cli import main
 from sm12x_bundle.enginecheck import (
     bench,
+    changed,
     copies,
     failures,
     gpu,
@@ -526,6 +527,62 @@ def test_a_call_the_scenario_needs_that_fails_ends_it_as_a_failure_with_the_engi
     assert f.figures["tokens_identical"] is True and not child.alive()
 
 
+def test_a_weight_changed_in_place_is_what_the_engine_serves_after_the_next_wakes(tmp_path):
+    tree = plan.Tree("patched", tmp_path, (tmp_path,))
+    with procs.groups() as groups:
+        f = changed.weight_changed(fake_bench(tmp_path, groups), tree)
+    assert f.outcome()[0] == "pass", f.outcome()
+    assert f.figures["changed"] is True and f.figures["tokens_identical"] is True and len(f.figures["sleeps"]) == 3
+    assert f.figures["sleeps"][0]["copied_bytes"] is None  # the stand-in's allocator does not say
+
+
+def test_a_wake_that_restores_the_weights_from_before_the_change_is_a_stale_backup(tmp_path):
+    tree = plan.Tree("patched", tmp_path, (tmp_path,))
+    with procs.groups() as groups:
+        f = changed.weight_changed(fake_bench(tmp_path, groups, "--stale-wake"), tree)
+    outcome, words = f.outcome()
+    assert outcome == "fail" and changed.STALE in words and f.figures["tokens_identical"] is False
+
+
+def test_the_weight_change_rolls_lm_heads_rows_in_place_and_moves_every_greedy_token():
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from sm12x_bundle.enginecheck import inject
+
+    model = torch.nn.Module()
+    model.lm_head = torch.nn.Linear(8, 16, bias=False)
+    worker = SimpleNamespace(rank=1, model_runner=SimpleNamespace(get_model=lambda: model))
+    hidden = torch.randn(4, 8)
+    where, before = model.lm_head.weight.data_ptr(), model.lm_head(hidden).argmax(-1)
+    assert inject.perturb_weights(worker, "1") == {"rank": 1, "changed": "lm_head.weight", "shape": [16, 8],
+                                                   "rows_rolled": 1}
+    assert model.lm_head.weight.data_ptr() == where  # in place: the allocation the backup is of
+    assert torch.equal(model.lm_head(hidden).argmax(-1), (before + 1) % 16)
+    early_stage = SimpleNamespace(model_runner=SimpleNamespace(get_model=torch.nn.Module))
+    assert inject.perturb_weights(early_stage, 1) == {"rank": 0, "changed": None}
+
+
+def test_the_allocator_state_says_what_the_last_sleep_copied_where_the_allocator_records_it():
+    from types import SimpleNamespace
+
+    from sm12x_bundle.enginecheck import inject
+
+    skip = SimpleNamespace(last_sleep_copied_bytes=5, last_sleep_skipped_bytes=7, last_sleep_checksum_s=0.1)
+    assert inject._last_sleep(skip) == {"last_sleep_copied_bytes": 5, "last_sleep_skipped_bytes": 7,
+                                        "last_sleep_checksum_s": 0.1}
+    assert set(inject._last_sleep(SimpleNamespace()).values()) == {None}
+
+
+def test_a_change_that_moves_no_token_is_an_error_not_a_pass(tmp_path, monkeypatch):
+    monkeypatch.setattr(changed, "SEED", 32000)  # the stand-in's tokens are modulo 32000: no change
+    tree = plan.Tree("patched", tmp_path, (tmp_path,))
+    with procs.groups() as groups:
+        f = changed.weight_changed(fake_bench(tmp_path, groups, "--stale-wake"), tree)
+    assert f.outcome() == ("error", "the weight changed in place changed no token: a stale wake could not be told apart")
+    assert f.figures["changed"] is False and "tokens_identical" not in f.figures
+
+
 # --- figures, targets, the verdict and the report ----------------------------------------------
 
 def test_speed_figures_set_each_sleep_and_wake_against_the_ceilings():
@@ -689,6 +746,7 @@ def test_help_teaches_with_examples_and_exit_codes(capsys):
         main(["engine-check", "--help"])
     out = capsys.readouterr().out
     assert "examples:" in out and "d1 failing-sleep" in out and "targets (judged on patched" in out
+    assert "g  weight-changed" in out and "VLLM_CUMEM_SKIP_UNCHANGED=1" in out
     for code in (0, 2, 3, 4, 6, 7, 9, 11, 12):
         assert f"\n  {code:<4}" in out, code
 

@@ -16,7 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from sm12x_bundle.enginecheck import bench, failures, model, plan, procs, releases
+from sm12x_bundle.enginecheck import (
+    bench,
+    changed,
+    failures,
+    model,
+    plan,
+    procs,
+    releases,
+)
 from sm12x_bundle.errors import ConfigError
 
 FAKE_VLLM = Path(__file__).parent / "stubs" / "fake_vllm_serve"
@@ -135,6 +143,27 @@ def test_a_wedged_server_fails_the_killed_worker_scenario(tmp_path):
         f = failures.killed_worker(serve_bench(tmp_path, groups, "wedge-after-kill", 2), tree)
     outcome, words = f.outcome()
     assert outcome == "fail" and "hung until the 15 s timeout" in words
+
+
+def test_a_weight_changed_in_place_survives_the_next_sleep_and_wake_on_every_rank(tmp_path):
+    tree = plan.Tree("patched", FAKE_VLLM, (FAKE_VLLM,))
+    with procs.groups() as groups:
+        f = changed.weight_changed(serve_bench(tmp_path, groups, "", 2), tree)
+    outcome, words = f.outcome()
+    assert outcome == "pass", words
+    assert f.figures["changed"] is True and f.figures["tokens_identical"] is True
+    assert [r["rank"] for r in f.figures["perturb"]] == [0, 1]
+    assert [s["copied_bytes"] for s in f.figures["sleeps"]] == [2 << 20] * 3
+
+
+def test_a_wake_that_restores_the_weights_from_before_the_change_fails_as_a_stale_backup(tmp_path):
+    tree = plan.Tree("patched", FAKE_VLLM, (FAKE_VLLM,))
+    with procs.groups() as groups:
+        f = changed.weight_changed(serve_bench(tmp_path, groups, "stale-wake", 2), tree)
+    outcome, words = f.outcome()
+    assert outcome == "fail" and f.figures["tokens_identical"] is False
+    assert words == f"after the wake that follows the change: {changed.STALE}; after a second sleep and wake: {changed.STALE}"
+    assert [s["skipped_bytes"] for s in f.figures["sleeps"]] == [0, 2 << 20, 2 << 20]
 
 
 @pytest.mark.parametrize("given, tp, pp, eager, kept, left", [

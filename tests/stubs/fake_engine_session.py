@@ -12,6 +12,9 @@ only on a GPU. Behaviour is chosen by flags:
   --fail-on CMD            answer CMD with ok: false
   --fail-start             answer the start with event: failed
   --vllm-file PATH         say that the engine imported vllm from PATH
+  --stale-wake             a sleep after the first copies nothing, so a wake restores the
+                           weights as they were at the first sleep (a weight changed in place
+                           in between is lost: the unchanged-skip's danger)
 """
 
 from __future__ import annotations
@@ -22,9 +25,25 @@ import os
 import sys
 import time
 
+# The "weights": an offset every token moves by; perturb changes it in place, a sleep backs
+# it up, a wake restores the backup.
+WEIGHTS = {"now": 0, "backup": None}
+
 
 def tokens(prompts: list[list[int]], n: int) -> list[list[int]]:
-    return [[(sum(p) + i * 7) % 32000 for i in range(n)] for p in prompts]
+    return [[(sum(p) + i * 7 + WEIGHTS["now"]) % 32000 for i in range(n)] for p in prompts]
+
+
+def weights(cmd: str, args: dict, stale_wake: bool) -> dict:
+    """sleep, wake and perturb acting on the fake weights."""
+    if cmd == "perturb":
+        WEIGHTS["now"] += int(args.get("seed", 1))
+        return {"ranks": [{"rank": 0, "changed": "lm_head.weight"}]}
+    if cmd == "sleep" and not (stale_wake and WEIGHTS["backup"] is not None):
+        WEIGHTS["backup"] = WEIGHTS["now"]
+    if cmd == "wake" and WEIGHTS["backup"] is not None:
+        WEIGHTS["now"] = WEIGHTS["backup"]
+    return {}
 
 
 def grandchild(pid_file: str) -> None:
@@ -50,6 +69,7 @@ def main() -> None:
     for flag in ("--settings", "--grandchild", "--hang-on", "--die-on", "--fail-on", "--vllm-file"):
         p.add_argument(flag)
     p.add_argument("--fail-start", action="store_true")
+    p.add_argument("--stale-wake", action="store_true")
     args = p.parse_args()
     print("fake engine: starting", file=sys.stderr, flush=True)
     if args.grandchild:
@@ -70,7 +90,8 @@ def main() -> None:
         if cmd == args.fail_on:
             reply = {"ok": False, "seconds": 0.01, "error": f"Exception: Call to {cmd} method failed: injected"}
         else:
-            reply = {"ok": True, "seconds": 0.01, **answer(cmd, request["args"])}
+            reply = {"ok": True, "seconds": 0.01, **answer(cmd, request["args"]),
+                     **weights(cmd, request["args"], args.stale_wake)}
         print(json.dumps(reply), flush=True)
         if cmd == "exit":
             return

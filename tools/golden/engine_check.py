@@ -62,7 +62,20 @@ def compare_results() -> list[report.ScenarioResult]:
         r("e", "pristine", "pass", "identical tokens", 100, {"tokens_identical": True}),
         r("e", "patched", "pass", "identical tokens", 100, {"tokens_identical": True}),
         killed_result("pristine"), killed_result("patched"),
+        changed_result("pristine", skip=False), changed_result("patched", skip=True),
     ]
+
+
+def changed_result(tree: str, skip: bool) -> report.ScenarioResult:
+    """Scenario g: with the unchanged-skip, the sleep after the change copies the changed
+    lm_head's allocation alone and the last sleep nothing (its allocator says what each sleep
+    copied and skipped; pristine's does not)."""
+    copied = [WEIGHTS_13B, 262_144_000, 0] if skip else [None] * 3
+    sleeps = [{"what": what, "sleep_s": 0.5, "wake_s": 0.6, "copied_bytes": c,
+               "skipped_bytes": None if c is None else WEIGHTS_13B - c}
+              for what, c in zip(("first", "after the change", "again, nothing changed"), copied)]
+    return report.ScenarioResult("g", tree, "pass", "identical tokens", 70,
+                                 {"tokens_identical": True, "changed": True, "sleeps": sleeps})
 
 
 def killed_result(tree: str) -> report.ScenarioResult:

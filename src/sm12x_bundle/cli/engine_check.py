@@ -49,6 +49,11 @@ scenarios (--scenario LETTER or NAME, repeatable; default all, --quick: a only):
                     --compare) starts, generates and exits; A wakes; tokens
   f  killed-worker  asleep; the last rank's worker is killed; the engine must say so
                     (calls fail, /health fails) within --timeout, never hang
+  g  weight-changed sleep/wake; a weight (lm_head's rows) is changed in place on
+                    every rank; sleep/wake twice: the tokens must be the changed
+                    weight's, never those before (a stale backup). Meant with
+                    VLLM_CUMEM_SKIP_UNCHANGED=1 in the engine's environment (a
+                    sleep skips what is unchanged); without it every sleep copies
 With several GPUs, d1's fault and d2's held memory are on the last rank alone: all ranks
 or none must sleep or wake, and the error must name the rank. The full run (not --quick)
 makes a: 10 cycles with fresh 200-900-token prompts before the reference ones, then 20

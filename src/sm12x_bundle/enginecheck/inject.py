@@ -118,7 +118,14 @@ def allocator_state(worker) -> dict:
             t["backed_up_bytes"] += data.handle[1]
     free, total = torch.cuda.mem_get_info()
     return {"rank": int(getattr(worker, "rank", 0)), "pid": os.getpid(), "tags": tags, "free_bytes": free, "total_bytes": total, "backup_pool": _pool(alloc),
-            "pinned": _pinned(torch), "cumem_py": cumem.__file__, "extension": cumem.lib_name}
+            "pinned": _pinned(torch), "cumem_py": cumem.__file__, "extension": cumem.lib_name, **_last_sleep(alloc)}
+
+
+def _last_sleep(alloc) -> dict:
+    """What the last sleep copied and skipped: only the unchanged-skip's allocator records it
+    (with VLLM_CUMEM_SKIP_UNCHANGED=1); None elsewhere."""
+    keys = ("last_sleep_copied_bytes", "last_sleep_skipped_bytes", "last_sleep_checksum_s")
+    return {k: getattr(alloc, k, None) for k in keys}
 
 
 def _pool(alloc) -> dict | None:
@@ -158,6 +165,27 @@ def reload_dummy_weights(worker) -> dict:
     return {"loader": type(loader).__name__}
 
 
+def perturb_weights(worker, seed: int | str = 1) -> dict:
+    """Change a weight in place, as a fine-tune step or a LoRA merge would: the rows of this
+    rank's lm_head shard rolled by ``seed`` rows, so every greedy token moves (logit v becomes
+    logit v - seed). The tensor keeps its address: the change is in the allocation the
+    allocator backed up, which a sleep must copy again. lm_head, not the embedding: no cached
+    prefix's KV depends on it, so the tokens after the change are the new weight's alone. A
+    rank without an lm_head (an early pipeline stage) changes nothing and says so."""
+    import torch
+
+    rank = int(getattr(worker, "rank", 0))
+    found = [(n, p) for n, p in worker.model_runner.get_model().named_parameters() if n.endswith("lm_head.weight")]
+    if not found:
+        return {"rank": rank, "changed": None}
+    name, param = found[0]
+    with torch.no_grad():
+        param.data.copy_(torch.roll(param.data, shifts=int(seed), dims=0))
+    if param.is_cuda:
+        torch.cuda.synchronize()  # done before the reply, so the next sleep sees the change
+    return {"rank": rank, "changed": name, "shape": list(param.shape), "rows_rolled": int(seed)}
+
+
 def _current_config(config):
     from contextlib import nullcontext
 
@@ -168,4 +196,5 @@ def _current_config(config):
     return set_current_vllm_config(config)
 
 
-__all__ = ["allocator_state", "install_host_failure", "install_on_rank", "reload_dummy_weights", "remove_host_failure", "worker_pid"]
+__all__ = ["allocator_state", "install_host_failure", "install_on_rank", "perturb_weights", "reload_dummy_weights",
+           "remove_host_failure", "worker_pid"]

@@ -34,7 +34,7 @@ QUICK = 1 * GiB
 
 @dataclass(frozen=True)
 class Scenario:
-    key: str  # a, b, c, d1, d2, e: the letters --scenario takes
+    key: str  # a, b, c, d1, d2, e, f, g: the letters --scenario takes
     name: str
     title: str
     engines: str  # "single": one engine of the single size; "pair": two of the pair size
@@ -58,6 +58,9 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("f", "killed-worker", "a worker killed while asleep", "single",
              "asleep; the last rank's worker is killed (SIGKILL); the engine must say so within the call "
              "timeout (health fails, calls fail), never hang"),
+    Scenario("g", "weight-changed", "a weight changed in place while awake", "single",
+             "sleep/wake; a weight changed in place on every rank; sleep/wake twice; tokens after each wake are "
+             "those of the changed weight (meant with VLLM_CUMEM_SKIP_UNCHANGED=1)"),
 )
 BY_NAME = {s.name: s for s in SCENARIOS}
 QUICK_SCENARIOS = ("a",)

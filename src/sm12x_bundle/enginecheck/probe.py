@@ -29,5 +29,9 @@ class Probe:
     def sm12x_reload_dummy(self) -> dict:
         return inject.reload_dummy_weights(self)
 
+    def sm12x_perturb(self, seed: str = "1") -> dict:
+        """A weight changed in place (scenario g)."""
+        return inject.perturb_weights(self, seed)
+
     def sm12x_pid(self) -> dict:
         return inject.worker_pid(self)

@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 
 # What a session answers (session.py); the holder answers hold and exit.
-COMMANDS = ("generate", "sleep", "wake", "inject", "uninject", "reload", "reset", "state", "kill_rank", "hold",
-            "exit")
+COMMANDS = ("generate", "sleep", "wake", "inject", "uninject", "reload", "reset", "state", "kill_rank", "perturb",
+            "hold", "exit")
 ERROR_LIMIT = 600  # characters of an error kept in a reply
 
 

@@ -23,7 +23,7 @@ from ..fsutil import check_replaceable, claim, temp_folder
 from ..series.lane import Lane
 from ..source.pin import resolve_source
 from . import ceilings as ceilings_mod
-from . import copies, failures, gpu, plan, procs, releases, rotation, scenarios
+from . import changed, copies, failures, gpu, plan, procs, releases, rotation, scenarios
 from .bench import Bench, child_env, settle
 from .install import Install, find_install, lane_for
 from .model import prompts, write_model
@@ -31,7 +31,7 @@ from .report import Report, ScenarioResult
 
 RUNNERS = {"a": scenarios.cycles, "b": scenarios.level2, "c": rotation.rotation,
            "d1": failures.failing_sleep, "d2": failures.held_wake, "e": scenarios.cross_image,
-           "f": failures.killed_worker}
+           "f": failures.killed_worker, "g": changed.weight_changed}
 
 
 @dataclass(frozen=True)

@@ -131,6 +131,10 @@ class ServeDriver:
         os.kill(pid, signal.SIGKILL)
         return {"killed_pid": pid, "pids": pids}
 
+    def perturb(self, seed: int = 1) -> dict:
+        """A weight changed in place on every rank (scenario g)."""
+        return {"ranks": self.server.rpc("sm12x_perturb", self.timeout, seed)}
+
     def leave(self) -> dict:
         return {}
 
@@ -144,7 +148,8 @@ def _the_rank(results: list, rank: int | None, key: str = "installed") -> dict:
 
 
 COMMANDS = {"generate": "generate", "sleep": "sleep", "wake": "wake", "inject": "inject", "uninject": "uninject",
-            "reload": "reload", "reset": "reset", "state": "state", "kill_rank": "kill_rank", "exit": "leave"}
+            "reload": "reload", "reset": "reset", "state": "state", "kill_rank": "kill_rank", "perturb": "perturb",
+            "exit": "leave"}
 
 
 def serve_env() -> dict[str, str]:

@@ -78,12 +78,18 @@ def kill_rank(llm, rank: int) -> dict:
     return {"killed_pid": int(pids[int(rank)]["pid"]), "pids": pids}
 
 
+def perturb(llm, seed: int = 1) -> dict:
+    """A weight changed in place on every rank (scenario g)."""
+    return {"ranks": llm.collective_rpc(inject.perturb_weights, args=(seed,))}
+
+
 def leave(llm) -> dict:
     return {}
 
 
 HANDLERS = {"generate": generate, "sleep": sleep, "wake": wake, "inject": inject_fault, "uninject": uninject,
-            "reload": reload, "reset": reset, "state": state, "kill_rank": kill_rank, "exit": leave}
+            "reload": reload, "reset": reset, "state": state, "kill_rank": kill_rank, "perturb": perturb,
+            "exit": leave}
 
 
 def facts() -> dict:

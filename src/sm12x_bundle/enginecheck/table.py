@@ -87,6 +87,19 @@ def _first_swap(f: dict) -> str:
     return _s(f.get("first_swap_s")) + (f" ({over:.2f}x steady)" if over else "")
 
 
+def _changed(f: dict) -> str:
+    got = f.get("changed")
+    return "-" if got is None else ("yes" if got else "NO (the scenario cannot judge)")
+
+
+def _copied(f: dict) -> str:
+    """Each sleep's copied / skipped bytes (the unchanged-skip's allocator alone says)."""
+    sleeps = f.get("sleeps") or []
+    if not any(s.get("copied_bytes") is not None for s in sleeps):
+        return "-" if not sleeps else "not reported (no unchanged-skip)"
+    return "; ".join(f"{_gib(s.get('copied_bytes'))} / {_gib(s.get('skipped_bytes'))}" for s in sleeps)
+
+
 def _asleep_a(f: dict) -> str:
     return _host("host_both")({"host_both": (f.get("host_both") or {}).get("A")})
 
@@ -114,6 +127,8 @@ ROWS: dict[str, list[tuple[str, Callable[[ScenarioResult], str]]]] = {
     "f": [("no call hung", _check("no call hung")), ("calls fail", _check("calls fail")),
           ("/health fails", _check("health fails")),
           ("said within", _f(lambda f: _s(f.get("said_within_s"))))],
+    "g": [("tokens after each wake", _f(_tokens)), ("the change moved tokens", _f(_changed)),
+          ("copied / skipped per sleep", _f(_copied))],
 }
 
 

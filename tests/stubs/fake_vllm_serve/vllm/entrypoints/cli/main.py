@@ -14,6 +14,13 @@ rank's pid makes /health fail. Behaviour is chosen by FAKE_SERVE (comma list):
   wedge-after-kill    once a rank is dead, /health still says 200 and every POST hangs (a wedged
                       engine), instead of answering 500
   exit-at-start       the server exits with code 1 before it is healthy
+  stale-wake          a sleep after the first copies nothing (it says it skipped the weights),
+                      so a wake restores the weights as they were at the first sleep: a weight
+                      changed in place in between (sm12x_perturb) is lost
+
+The "weights" are an offset every token moves by: sm12x_perturb changes it in place, a sleep
+backs it up (and says what it copied and skipped, as the unchanged-skip's allocator does), a
+wake restores the backup.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ class State:
         self.asleep = False
         self.paused = False
         self.injected: dict[int, bool] = {}
+        self.weights, self.backup, self.copied = 0, None, 0
         self.workers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
                         for _ in range(self.ranks)]
 
@@ -55,7 +63,10 @@ class State:
             if method == "sm12x_state":
                 out.append({"rank": rank, "pid": worker.pid, "tags": {"weights": {
                     "allocations": 2, "bytes": 1 << 20, "asleep": 2 if self.asleep else 0, "backed_up_bytes": 0}},
-                    "cumem_py": None, "extension": None})
+                    "cumem_py": None, "extension": None, "last_sleep_copied_bytes": self.copied,
+                    "last_sleep_skipped_bytes": (1 << 20) - self.copied})
+            elif method == "sm12x_perturb":
+                out.append({"rank": rank, "changed": "lm_head.weight", "rows_rolled": int(args[0])})
             elif method == "sm12x_inject":
                 on = args[1] == "" or int(args[1]) == rank
                 self.injected[rank] = on
@@ -66,7 +77,20 @@ class State:
                 out.append({"rank": rank, "pid": worker.pid})
             else:
                 return None
+        if method == "sm12x_perturb":
+            self.weights += int(args[0])
         return out
+
+    def sleep(self) -> None:
+        """Back the weights up (stale-wake: only the first time; later ones skip the copy)."""
+        stale = "stale-wake" in self.flags and self.backup is not None
+        self.copied = 0 if stale else 1 << 20
+        self.backup = self.backup if stale else self.weights
+        self.asleep = True
+
+    def wake(self) -> None:
+        if self.backup is not None:
+            self.weights = self.backup
 
 
 def handler(state: State):
@@ -110,7 +134,7 @@ def handler(state: State):
                     return self.reply(500, {"error": "the engine is asleep"})
                 if doc.get("model") != state.model:
                     return self.reply(404, {"error": f"model {doc.get('model')} does not exist"})
-                toks = [[(sum(p) + i * 7) % 32000 for i in range(doc["max_tokens"])] for p in doc["prompt"]]
+                toks = [[(sum(p) + i * 7 + state.weights) % 32000 for i in range(doc["max_tokens"])] for p in doc["prompt"]]
                 return self.reply(200, {"choices": [{"index": i, "text": "", "token_ids": t} for i, t in enumerate(toks)]})
             if path == "/sleep":
                 for flag in list(state.flags):
@@ -121,7 +145,7 @@ def handler(state: State):
                         print(f"ERROR sleep failed on rank {rank} of ranks 0-{state.ranks - 1} (rank {rank}: "
                               f"tag 'weights', 1048576 bytes: out of host memory)", file=sys.stderr, flush=True)
                         return self.reply(500, {"error": "Internal Server Error"})
-                state.asleep = True
+                state.sleep()
                 return self.reply(200)
             if path == "/wake_up":
                 if "hang-wake" in state.flags:
@@ -129,7 +153,9 @@ def handler(state: State):
                 if "fail-wake" in state.flags:
                     print("ERROR wake_up failed: out of memory (tag 'weights', 1048576 bytes)", file=sys.stderr, flush=True)
                     return self.reply(500, {"error": "Internal Server Error"})
-                state.asleep = False if not query.get("tags") else state.asleep
+                if not query.get("tags"):
+                    state.asleep = False
+                    state.wake()
                 state.paused = False
                 return self.reply(200)
             if path == "/reset_prefix_cache":
