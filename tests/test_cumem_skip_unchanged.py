@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import ast
 import gc
-import importlib.util
-import sys
 from pathlib import Path
 
 import needs
@@ -20,19 +18,12 @@ import pytest
 torch = needs.module("torch")
 
 from lanekit import LANES, lane_tree  # noqa: E402, F401
+from test_backup_pool import load_pool_module  # noqa: E402
 from test_cumem_patches import DEVICE_BASE, LAYOUT, FakeCuda, load_cumem  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
 WEIGHTS = sum(n for t, n in LAYOUT if t == "weights")
-
-
-def load_as(path: Path, name: str, monkeypatch):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, name, mod)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(autouse=True)
@@ -63,7 +54,7 @@ def fake(monkeypatch) -> FakeCuda:
 def make_alloc(lane_tree, lane, fake, monkeypatch, pool: bool = False):
     tree = lane_tree(lane, "patched")
     if pool:
-        mod = load_as(tree / "vllm/device_allocator/cumem_backup_pool.py",
+        mod = load_pool_module(tree / "vllm/device_allocator/cumem_backup_pool.py",
                       "vllm.device_allocator.cumem_backup_pool", monkeypatch)
         monkeypatch.setattr(mod.HostMemory, "register", lambda self, addr, n, dev: None)
         monkeypatch.setattr(mod.HostMemory, "unregister", lambda self, addr: None)

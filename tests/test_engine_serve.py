@@ -127,10 +127,15 @@ def serve_bench(tmp_path: Path, groups: procs.Groups, fake: str, tp: int) -> ben
                        session=(sys.executable, str(Path(__file__).parent / "stubs" / "serve_with_fake_vllm.py"), fake))
 
 
-def test_a_worker_killed_while_asleep_is_seen_by_every_call_within_the_timeout(tmp_path):
-    tree = plan.Tree("patched", FAKE_VLLM, (FAKE_VLLM,))
+def on_fake_server(tmp_path: Path, scenario, label: str, fake: str = "", tp: int = 2):
+    """``scenario`` run on the stand-in server (``fake``: its fault flags) at ``tp`` ranks."""
+    tree = plan.Tree(label, FAKE_VLLM, (FAKE_VLLM,))
     with procs.groups() as groups:
-        f = failures.killed_worker(serve_bench(tmp_path, groups, "", 2), tree)
+        return scenario(serve_bench(tmp_path, groups, fake, tp), tree)
+
+
+def test_a_worker_killed_while_asleep_is_seen_by_every_call_within_the_timeout(tmp_path):
+    f = on_fake_server(tmp_path, failures.killed_worker, "patched")
     outcome, words = f.outcome()
     assert outcome == "pass", words
     assert f.figures["killed_rank"] == 1 and f.figures["said_within_s"] < 3 * 15
@@ -138,17 +143,13 @@ def test_a_worker_killed_while_asleep_is_seen_by_every_call_within_the_timeout(t
 
 
 def test_a_wedged_server_fails_the_killed_worker_scenario(tmp_path):
-    tree = plan.Tree("pristine", FAKE_VLLM, (FAKE_VLLM,))
-    with procs.groups() as groups:
-        f = failures.killed_worker(serve_bench(tmp_path, groups, "wedge-after-kill", 2), tree)
+    f = on_fake_server(tmp_path, failures.killed_worker, "pristine", "wedge-after-kill")
     outcome, words = f.outcome()
     assert outcome == "fail" and "hung until the 15 s timeout" in words
 
 
 def test_a_weight_changed_in_place_survives_the_next_sleep_and_wake_on_every_rank(tmp_path):
-    tree = plan.Tree("patched", FAKE_VLLM, (FAKE_VLLM,))
-    with procs.groups() as groups:
-        f = changed.weight_changed(serve_bench(tmp_path, groups, "", 2), tree)
+    f = on_fake_server(tmp_path, changed.weight_changed, "patched")
     outcome, words = f.outcome()
     assert outcome == "pass", words
     assert f.figures["changed"] is True and f.figures["tokens_identical"] is True
@@ -157,9 +158,7 @@ def test_a_weight_changed_in_place_survives_the_next_sleep_and_wake_on_every_ran
 
 
 def test_a_wake_that_restores_the_weights_from_before_the_change_fails_as_a_stale_backup(tmp_path):
-    tree = plan.Tree("patched", FAKE_VLLM, (FAKE_VLLM,))
-    with procs.groups() as groups:
-        f = changed.weight_changed(serve_bench(tmp_path, groups, "stale-wake", 2), tree)
+    f = on_fake_server(tmp_path, changed.weight_changed, "patched", "stale-wake")
     outcome, words = f.outcome()
     assert outcome == "fail" and f.figures["tokens_identical"] is False
     assert words == f"after the wake that follows the change: {changed.STALE}; after a second sleep and wake: {changed.STALE}"
@@ -211,9 +210,7 @@ def test_a_job_gives_the_engine_its_tp_and_flags(default_context):
 
 
 def test_a_sleep_that_fails_on_one_rank_is_judged_over_every_rank(tmp_path):
-    tree = plan.Tree("patched", FAKE_VLLM, (FAKE_VLLM,))
-    with procs.groups() as groups:
-        f = failures.failing_sleep(serve_bench(tmp_path, groups, "fail-sleep-rank-1", 2), tree)
+    f = on_fake_server(tmp_path, failures.failing_sleep, "patched", "fail-sleep-rank-1")
     outcome, words = f.outcome()
     assert outcome == "pass", words
     assert f.figures["fault_rank"] == 1 and f.figures["fault"]["rank"] == 1
