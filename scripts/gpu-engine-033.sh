@@ -33,9 +33,16 @@
 #      (its patched copy: the lane's series and extension, as for 0.21.0), in what time is left.
 # ENGINE033_BUDGET_S (default 535) bounds the whole run in seconds; ENGINE033_CHECK (default
 # --quick) is the engine check's scenario options, e.g. "--scenario a,d1,d2 --model-gib 1".
+# ENGINE033_MODE: eager (default) or graphs: CUDA graphs without torch.compile
+# (compilation_config mode NONE, cudagraph_mode FULL: vLLM's compile passes need vllm._C's
+# fp8 ops, capture needs only weak_ref_tensor, which the stand-in has); graphs mode first runs
+# scripts/engine033/weakref_check.py (weak-ref.json) and stops if the stand-in fails there.
+# ENGINE033_PROBES: both (default), pristine or none: which probes of step 3 run (each is an
+# engine start, about a minute).
 # Environment for every engine: Model Runner V1 (VLLM_USE_V2_MODEL_RUNNER=0; ENGINE033_V2=1
 # tries V2, whose UVA buffers use the stand-in's host view), FlashInfer's sampler off.
-# OUT receives env.txt, prepare-<side>.json, probe-*.json, engine.json, gpu-engine-033.log.
+# OUT receives env.txt, prepare-<side>.json, probe-*.json, weak-ref.json (graphs), engine.json,
+# gpu-engine-033.log.
 # Set PYTHON_INCLUDE to a folder holding Python.h where this Python has none.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -74,20 +81,28 @@ done
 
 export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_V2_MODEL_RUNNER=${ENGINE033_V2:-0} VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 \
   HF_HUB_OFFLINE=1 VLLM_ALLOW_INSECURE_SERIALIZATION=1 TOKENIZERS_PARALLELISM=false
+mode=${ENGINE033_MODE:-eager} probes=${ENGINE033_PROBES:-both}
+case $mode in
+  eager) engine_mode=(--eager) probe_mode=() ;;
+  graphs) engine_mode=('--vllm-arg=--compilation-config={"mode":"NONE","cudagraph_mode":"FULL"}') probe_mode=(--graphs)
+    echo "== graphs: the stand-in's weak_ref_tensor in a capture ($SECONDS s)"
+    PYTHONPATH=$installs/pristine:$deps:$PWD/src timeout 120 python3 scripts/engine033/weakref_check.py "$out/weak-ref.json" || exit 9 ;;
+  *) echo "ENGINE033_MODE=$mode: eager or graphs"; exit 2 ;;
+esac
 probe() {  # probe SIDE NAME [--native]: one engine of that install; 0 when its tokens held
   echo "== 3. probe $2 ($SECONDS s)"
-  PYTHONPATH=$installs/$1:$deps:$PWD/src timeout 240 python3 scripts/engine033/probe.py "$out/probe-$2.json" "${@:3}"
+  PYTHONPATH=$installs/$1:$deps:$PWD/src timeout 240 python3 scripts/engine033/probe.py "$out/probe-$2.json" "${probe_mode[@]}" "${@:3}"
   local rc=$?
   echo "== probe $2: exit $rc"
   return $rc
 }
-if ! probe pristine pristine; then
+if [ "$probes" != none ] && ! probe pristine pristine; then
   probe pristine pristine-native --native
   echo "== the pristine engine did not run at 0.33.0's defaults: engine check skipped"
   nvidia-smi --query-compute-apps=pid,used_memory --format=csv
   exit 9
 fi
-probe patched patched
+[ "$probes" = both ] && probe patched patched
 
 left=$((${ENGINE033_BUDGET_S:-535} - SECONDS))  # the call's 10 minutes, less a margin
 echo "== 4. engine check, ${left} s left ($SECONDS s)"
@@ -102,7 +117,7 @@ EOF
 if [ "$left" -lt 150 ]; then echo "== too little time left for the engine check"; exit 0; fi
 PYTHONPATH=$PWD/src:$deps timeout "$left" python3 -m sm12x_bundle engine-check --config "$home/lanes-0.33.0.yaml" \
   --compare ${ENGINE033_CHECK:---quick} --vllm-path "$installs/pristine" --work "$home/engine-work-0.33.0" --timeout 120 \
-  --driver api --eager --json-out "$out/engine.json"  # route 1 is eager, through vllm.LLM (the study)
+  --driver api "${engine_mode[@]}" --json-out "$out/engine.json"  # route 1 runs through vllm.LLM (the study)
 rc=$?
 echo "== engine-check exit $rc ($SECONDS s)"
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv

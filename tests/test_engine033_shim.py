@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -125,3 +126,32 @@ def test_the_cutlass_capability_checks_answer_no(ops, shim):
     # 0.33.0 asks one of them at import (quantization/utils/w8a8_utils.py:41); the stand-in
     # has no CUTLASS kernels, so every answer is False and vLLM keeps to its other paths.
     assert shim.CAPABILITY_CHECKS and all(getattr(ops, name)(90) is False for name in shim.CAPABILITY_CHECKS)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.arange(24, dtype=torch.bfloat16).view(4, 6),
+    lambda: torch.arange(60, dtype=torch.float32).view(5, 12)[1:, 2:9:3],  # an offset, a stride
+    lambda: torch.arange(30, dtype=torch.int64).view(5, 6).t(),
+])
+def test_a_weak_reference_sees_the_memory_and_keeps_nothing_alive(ops, make):
+    import gc
+    import weakref
+
+    tensor = make()
+    view = ops.weak_ref_tensor(tensor)
+    assert (view.shape, view.stride(), view.dtype, view.data_ptr()) == (
+        tensor.shape, tensor.stride(), tensor.dtype, tensor.data_ptr())
+    assert torch.equal(view, tensor)
+    tensor.add_(1)  # a write through the original is seen through the reference
+    assert torch.equal(view, tensor)
+    alive = weakref.ref(tensor)
+    base = tensor._base
+    del tensor
+    gc.collect()
+    assert alive() is None  # the reference held nothing of the tensor itself
+    assert base is None or sys.getrefcount(base) == 2  # nor of the tensor it views
+
+
+def test_a_weak_reference_to_nothing_is_the_tensor_itself(ops):
+    empty = torch.empty(0, 3)
+    assert ops.weak_ref_tensor(empty) is empty or ops.weak_ref_tensor(empty).numel() == 0

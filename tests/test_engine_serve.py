@@ -179,9 +179,44 @@ def test_the_operators_flags_set_the_engine_and_the_checks_own_are_left_out(give
     assert (p.tp, p.pp, p.eager, list(p.vllm_args), list(p.left_out)) == (tp, pp, eager, kept, left)
 
 
-def test_flags_need_the_serve_driver():
-    with pytest.raises(ConfigError, match="--vllm-arg goes with --driver serve"):
+def test_the_api_refuses_a_flag_whose_value_stands_apart():
+    with pytest.raises(ConfigError, match="'--compilation-config {}': with --driver api, give each flag and its value as one token"):
         plan.parallel("api", None, None, False, ["--compilation-config", "{}"])
+    with pytest.raises(ConfigError, match="'-O3'"):
+        plan.parallel("api", None, None, False, ["-O3"])
+
+
+def test_the_api_takes_flags_as_llm_keywords():
+    from sm12x_bundle.enginecheck.releases import api_keywords
+
+    p = plan.parallel("api", None, None, False, [
+        '--compilation-config={"mode":"NONE","cudagraph_mode":"FULL"}', "--sleep-mode-offload-cudagraph",
+        "--tensor-parallel-size=2", "--kernel_config.ir_op_priority={\"rms_norm\":[\"native\"]}",
+        "--kv-cache-dtype=fp8", "--max-num-seqs=4"])
+    assert p.left_out == ("--tensor-parallel-size=2", "--max-num-seqs=4")  # the check's own
+    assert api_keywords(list(p.vllm_args)) == {
+        "compilation_config": {"mode": "NONE", "cudagraph_mode": "FULL"}, "sleep_mode_offload_cudagraph": True,
+        "kernel_config": {"ir_op_priority": {"rms_norm": ["native"]}}, "kv_cache_dtype": "fp8"}
+    assert p.to_dict()["graphs"] == "CUDA graphs, compilation as the operator's flags set it"
+
+
+def test_an_api_session_starts_its_engine_with_the_operators_keywords(monkeypatch):
+    import sys
+    import types
+
+    from sm12x_bundle.enginecheck import session
+
+    seen = {}
+    fake = types.ModuleType("vllm")
+    fake.LLM = lambda **kw: seen.update(kw) or "engine"
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setattr(session, "facts", lambda: {})
+    settings = {"model": "m", "gpu_memory_utilization": 0.5, "kv_cache_bytes": 1, "max_model_len": 8,
+                "max_num_seqs": 1, "max_num_batched_tokens": 8, "eager": False,
+                "vllm_args": ['--compilation-config={"mode":"NONE"}', "--enforce-eager=false"]}
+    assert session.start(settings) == ("engine", {})
+    assert seen["compilation_config"] == {"mode": "NONE"} and seen["enforce_eager"] is False
+    assert seen["attention_backend"] == "TRITON_ATTN"
 
 
 def test_sizes_are_per_gpu_when_an_engine_spreads_over_several():

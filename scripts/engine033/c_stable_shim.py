@@ -15,6 +15,9 @@ csrc/torch_bindings.cpp, and implemented as vLLM's own native paths compute them
   rotary_embedding      model_executor/layers/rotary_embedding/base.py forward_static
   get_cuda_view_from_cpu_tensor  csrc/cuda_view.cu: a CUDA tensor over pinned host memory
                         (Model Runner V2's UVA buffers, v1/worker/gpu/buffer_utils.py:38)
+  weak_ref_tensor       csrc/ops.h: a tensor over the same memory that does not keep it
+                        alive (CUDA graph capture keeps each graph's output this way,
+                        compilation/cuda_graph.py:333-337, utils/torch_utils.py:872)
 
 and the four CUTLASS capability checks, which answer False (this stand-in has no CUTLASS
 kernels): model_executor/layers/quantization/utils/w8a8_utils.py:41 calls
@@ -38,6 +41,7 @@ SCHEMAS = {
         "Tensor cos_sin_cache, bool is_neox, int rope_dim_offset=0, bool inverse=False) -> ()"
     ),
     "get_cuda_view_from_cpu_tensor": "get_cuda_view_from_cpu_tensor(Tensor cpu_tensor) -> Tensor",
+    "weak_ref_tensor": "weak_ref_tensor(Tensor input) -> Tensor",
 }
 CAPABILITY_CHECKS = ("cutlass_scaled_mm_supports_fp8", "cutlass_group_gemm_supported",
                      "cutlass_scaled_mm_supports_block_fp8", "cutlass_scaled_mm_supports_fp4")
@@ -118,11 +122,42 @@ class _HostView:
         }
 
 
+def weak_ref_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor of the same shape, strides and dtype over ``tensor``'s memory that holds no
+    reference to it: its storage is built from the bare address (CUDA: through
+    __cuda_array_interface__ without a stream, so nothing is synchronised or enqueued; CPU,
+    for the tests: a ctypes buffer), as bytes, then viewed as the dtype and strided. As with
+    the compiled op, reading it after ``tensor``'s memory is freed reads whatever is there."""
+    if tensor.numel() == 0:
+        return tensor
+    if any(stride < 0 for stride in tensor.stride()):
+        raise RuntimeError("weak_ref_tensor (torch stand-in): negative strides")
+    span = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    nbytes = span * tensor.element_size()
+    if tensor.is_cuda:
+        raw = torch.as_tensor(_Address(tensor.data_ptr(), nbytes), device=tensor.device)
+    else:
+        import ctypes
+
+        raw = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(tensor.data_ptr()), dtype=torch.uint8)
+    return raw.view(tensor.dtype).as_strided(tensor.shape, tensor.stride())
+
+
+class _Address:
+    """__cuda_array_interface__ of ``nbytes`` bytes at ``ptr``, owning nothing."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None,
+        }
+
+
 IMPLS = {
     "silu_and_mul": silu_and_mul,
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
     "rotary_embedding": rotary_embedding,
+    "weak_ref_tensor": weak_ref_tensor,
 }
 
 

@@ -1,6 +1,6 @@
 """Check here, without a GPU, what scripts/gpu-engine-033.sh will ask of a prepared 0.33.0 install.
 
-    PYTHONPATH=INSTALL python3 scripts/engine033/cpu_check.py [--native]
+    PYTHONPATH=INSTALL python3 scripts/engine033/cpu_check.py [--native] [--graphs]
 
 INSTALL: a folder laid out as prepare.py writes it (``vllm/`` with the stand-ins, and the
 dist-info); the cumem extension may be missing here. The Python must have torch and the
@@ -11,7 +11,7 @@ packages the device gets (the payload's, at their versions, and transformers 5.1
 2. every module of the engine path is imported (vllm.entrypoints.llm, the engine core, both
    model runners, the worker, the Llama model, TRITON_ATTN, the dummy loader, the sampler);
 3. the engine config is made from probe.py's keyword arguments (0.33.0's defaults, or
-   --native), and the Llama is built on the meta device under it (a gloo group of one);
+   --native, or --graphs: the cudagraph mode it resolves to is printed), and the Llama is built on the meta device under it (a gloo group of one);
    what each layer dispatches to is printed.
 Exit 0 when every step passed. The GPU machine alone can say whether the engine runs.
 """
@@ -60,7 +60,7 @@ def imports() -> int:
     return failed
 
 
-def build(native: bool) -> None:
+def build(native: bool, graphs: bool) -> None:
     import torch
 
     sys.path.insert(0, str(HERE))
@@ -72,11 +72,11 @@ def build(native: bool) -> None:
     model = Path("/tmp/sm12x-engine033-cpu-model")
     model.mkdir(parents=True, exist_ok=True)
     (model / "config.json").write_text(__import__("json").dumps(probe.CONFIG))
-    kwargs = {k: v for k, v in probe.engine_kwargs(model, native).items() if k != "seed"}
+    kwargs = {k: v for k, v in probe.engine_kwargs(model, native, graphs).items() if k != "seed"}
     cfg = EngineArgs(**kwargs).create_engine_config()
     cc = cfg.compilation_config
-    print("config: mode", cc.mode, "custom_ops", cc.custom_ops, "runner v2", cfg.use_v2_model_runner,
-          "attention", cfg.attention_config.backend)
+    print("config: mode", cc.mode, "cudagraph_mode", cc.cudagraph_mode, "custom_ops", cc.custom_ops,
+          "runner v2", cfg.use_v2_model_runner, "attention", cfg.attention_config.backend)
     with set_current_vllm_config(cfg):
         init_distributed_environment(1, 0, "tcp://127.0.0.1:29533", 0, backend="gloo")
         ensure_model_parallel_initialized(1, 1)
@@ -97,7 +97,7 @@ def main(argv: list[str]) -> int:
     force_cuda()
     if imports():
         return 1
-    build("--native" in argv)
+    build("--native" in argv, "--graphs" in argv)
     return 0
 
 

@@ -1,9 +1,10 @@
 """One small vLLM 0.33.0 engine through ``vllm.LLM``, as the engine check starts it (scripts/gpu-engine-033.sh).
 
-    python3 scripts/engine033/probe.py OUT.json [--native] [--model-dir DIR]
+    python3 scripts/engine033/probe.py OUT.json [--native] [--graphs] [--model-dir DIR]
 
 The vLLM imported is the first on PYTHONPATH (the script puts a prepared install there). A
-Llama of 4 layers (hidden 1024) with dummy weights, TRITON_ATTN, eager, sleep mode on:
+Llama of 4 layers (hidden 1024) with dummy weights, TRITON_ATTN, eager (--graphs: CUDA
+graphs without torch.compile), sleep mode on:
 generate (greedy, token ids), sleep(1), wake, generate, and the tokens compared (level 2
 and the rest are the engine check's). Each step's time and outcome go into
 OUT.json as it goes, so a crash still leaves the steps before it.
@@ -31,6 +32,8 @@ CONFIG = {
     "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
     "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
 }
+# --graphs: CUDA graphs without torch.compile, as scripts/gpu-engine-033.sh's graphs mode runs.
+GRAPHS = {"enforce_eager": False, "compilation_config": {"mode": "NONE", "cudagraph_mode": "FULL"}}
 NATIVE = {
     "compilation_config": {"custom_ops": ["none"]},
     "kernel_config": {"ir_op_priority": {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}},
@@ -60,20 +63,24 @@ class Steps:
         return value
 
 
-def engine_kwargs(model: Path, native: bool) -> dict:
+def engine_kwargs(model: Path, native: bool, graphs: bool = False) -> dict:
     kwargs = dict(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
                   enforce_eager=True, enable_sleep_mode=True, attention_backend="TRITON_ATTN",
                   gpu_memory_utilization=0.3, max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=2048,
                   tensor_parallel_size=1)
-    return {**kwargs, **(NATIVE if native else {})}
+    kwargs.update(GRAPHS if graphs else {})
+    if native:  # custom ops off, within whatever compilation config is set
+        kwargs["compilation_config"] = {**kwargs.get("compilation_config", {}), **NATIVE["compilation_config"]}
+        kwargs["kernel_config"] = NATIVE["kernel_config"]
+    return kwargs
 
 
-def session(steps: Steps, model: Path, native: bool) -> None:
+def session(steps: Steps, model: Path, native: bool, graphs: bool) -> None:
     import vllm
     from vllm import LLM, SamplingParams
 
     steps.doc["vllm_file"], steps.doc["vllm_version"] = vllm.__file__, vllm.__version__
-    llm = steps.run("LLM(...) (engine start, dummy load, profile, KV cache)", lambda: LLM(**engine_kwargs(model, native)))
+    llm = steps.run("LLM(...) (engine start, dummy load, profile, KV cache)", lambda: LLM(**engine_kwargs(model, native, graphs)))
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False)
     prompts = [{"prompt_token_ids": [100 + (7 * i + j) % 31000 for j in range(24)]} for i in range(4)]
 
@@ -92,14 +99,15 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
     p.add_argument("--native", action="store_true")
+    p.add_argument("--graphs", action="store_true", help="CUDA graphs (FULL), no torch.compile")
     p.add_argument("--model-dir", type=Path, default=Path("/tmp/sm12x-engine033-model"))
     a = p.parse_args(argv)
     a.model_dir.mkdir(parents=True, exist_ok=True)
     (a.model_dir / "config.json").write_text(json.dumps(CONFIG, indent=2) + "\n")
     env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
-    steps = Steps(a.out, {"native": a.native, "env": env, "steps": []})
+    steps = Steps(a.out, {"native": a.native, "graphs": a.graphs, "env": env, "steps": []})
     try:
-        session(steps, a.model_dir, a.native)
+        session(steps, a.model_dir, a.native, a.graphs)
     except BaseException:
         return 1
     return 0 if steps.doc.get("tokens_after_sleep1_equal") else 2

@@ -75,13 +75,15 @@ examples:
   sm12x-bundle engine-check --installed --quick --tp 2           # a rollout gate
   sm12x-bundle engine-check --compare --vllm-path P --tp 2 --vllm-arg=--compilation-config='{"cudagraph_mode":"FULL_AND_PIECEWISE"}'
   sm12x-bundle engine-check --installed --quick --job dsv4-flash   # as the config's job runs
-  sm12x-bundle engine-check --installed --scenario c --model-gib 8 --swaps 8"""
+  sm12x-bundle engine-check --installed --scenario c --model-gib 8 --swaps 8
+  sm12x-bundle engine-check --compare --driver api --vllm-arg=--compilation-config='{"mode":"NONE","cudagraph_mode":"FULL"}'"""
 
 EXIT_CODES: dict[int, str | None] = {
     0: "every scenario passes and every target holds on the vLLM under test (--compare: on the patched "
     "copy, and it is never worse than pristine)",
     3: "could not run: the vLLM under test is not a lane's release (or --lane names another), "
-    "--vllm-path holds no vllm package, --job names no job, --vllm-arg without --driver serve, or the "
+    "--vllm-path holds no vllm package, --job names no job, a --vllm-arg that --driver api cannot take "
+    "(a value apart from its flag), or the "
     "engines do not fit the GPU's free memory or the host's",
     4: "--compare: the lane's pinned sdist could not be fetched, or --sdist does not match its sha256",
     5: None,
@@ -125,7 +127,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="no CUDA graphs or torch.compile (default: the release's defaults, graphs on)")
     p.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
                    help="a flag for `vllm serve`, repeatable (--vllm-arg=--compilation-config={...}); the "
-                        "check's own (model, sizes, address, parallel sizes) are left out and reported")
+                        "check's own (model, sizes, address, parallel sizes) are left out and reported; "
+                        "with --driver api each is an LLM(...) keyword: --NAME=VALUE (VALUE as JSON "
+                        "where it parses), a bare --NAME for True, --NAME.KEY=VALUE for one key")
     p.add_argument("--job", metavar="NAME",
                    help="run as the configuration's job NAME runs: its tensor_parallel_size and extra_args")
     p.add_argument("--timeout", type=arguments.positive_float, default=300, metavar="SECONDS",

@@ -93,7 +93,8 @@ DRIVERS = ("serve", "api")
 class Parallel:
     """How each engine runs: through ``vllm serve`` over HTTP (the operators' way) or the
     Python API; its tensor- and pipeline-parallel sizes; CUDA graphs (vLLM's default) or
-    eager; and the operator's own vLLM flags (``serve`` only), minus those the check sets."""
+    eager; and the operator's own vLLM flags (for the API, ``LLM(...)`` keywords:
+    releases.api_keywords), minus those the check sets."""
 
     driver: str = "serve"
     tp: int = 1
@@ -101,6 +102,11 @@ class Parallel:
     eager: bool = False
     vllm_args: tuple[str, ...] = ()
     left_out: tuple[str, ...] = ()  # --vllm-arg tokens the check sets itself
+
+    def _sets_compilation(self) -> bool:
+        from .releases import flag_name
+
+        return any(flag_name(a) == "compilation-config" or a.startswith("-O") for a in self.vllm_args)
 
     @property
     def gpus(self) -> int:
@@ -110,7 +116,9 @@ class Parallel:
         return {"tp": self.tp, "pp": self.pp, "eager": self.eager, "vllm_args": list(self.vllm_args)}
 
     def to_dict(self) -> dict:
-        graphs = "eager (no CUDA graphs)" if self.eager else "CUDA graphs and torch.compile at the release's defaults"
+        graphs = ("eager (no CUDA graphs)" if self.eager
+                  else "CUDA graphs, compilation as the operator's flags set it" if self._sets_compilation()
+                  else "CUDA graphs and torch.compile at the release's defaults")
         return {**self.settings(), "driver": self.driver, "gpus": self.gpus, "graphs": graphs,
                 "left_out_vllm_args": list(self.left_out)}
 
@@ -118,12 +126,15 @@ class Parallel:
 def parallel(driver: str, tp: int | None, pp: int | None, eager: bool, vllm_args: Sequence[str]) -> Parallel:
     """The engines' settings from the options: a size not given is read from the vLLM flags
     (``--pipeline-parallel-size 2`` in a job's own flags), else 1; --enforce-eager there means eager."""
-    from .releases import flag_name, parallel_from, split_vllm_args
+    from .releases import api_keywords, flag_name, parallel_from, split_vllm_args
 
     args = list(vllm_args)
-    if args and driver != "serve":
-        raise ConfigError("--vllm-arg goes with --driver serve: the Python API takes no command-line flags")
     kept, left_out = split_vllm_args(args)
+    if driver != "serve":
+        try:  # the API takes them as LLM(...) keywords: refused now, before anything runs
+            api_keywords(kept)
+        except ValueError as exc:
+            raise ConfigError(f"--vllm-arg {exc}") from None
     tp = tp or parallel_from(args, "tensor-parallel-size") or 1
     pp = pp or parallel_from(args, "pipeline-parallel-size") or 1
     eager = eager or any(flag_name(a) == "enforce-eager" and not a.startswith("--no") for a in args)

@@ -126,6 +126,39 @@ def parallel_from(args: list[str], key: str) -> int | None:
     return None
 
 
+def api_keywords(args: list[str]) -> dict:
+    """``LLM(...)`` keywords for vLLM flags, for --driver api: ``--name=VALUE`` gives the
+    keyword ``name`` (dashes to underscores, as vLLM's EngineArgs spells it), VALUE read as
+    JSON where it parses and as a string otherwise; a bare ``--name`` gives True;
+    ``--name.key=VALUE`` sets one key of a dict keyword, as vLLM's own dotted flags do.
+    ValueError for a token the API cannot take (a value apart from its flag, a short flag)."""
+    import json
+
+    kwargs: dict = {}
+    for i, token in enumerate(args):
+        if not token.startswith("--") or len(token) < 3:
+            where = f"'{args[i - 1]} {token}'" if i and args[i - 1].startswith("--") else f"'{token}'"
+            raise ValueError(f"{where}: with --driver api, give each flag and its value as one "
+                             "token, --NAME=VALUE or a bare --NAME (--vllm-arg=--compilation-config={...})")
+        name, eq, raw = token[2:].partition("=")
+        if eq:
+            try:
+                value = json.loads(raw)
+            except ValueError:
+                value = raw
+        else:
+            value = True
+        key, _, sub = name.replace("-", "_").partition(".")
+        if sub:
+            target = kwargs.setdefault(key, {})
+            if not isinstance(target, dict):
+                raise ValueError(f"'{token}': --{key} was given a value that is not a dict")
+            target[sub] = value
+        else:
+            kwargs[key] = value
+    return kwargs
+
+
 def serve_argv(settings: dict, port: int, served_name: str) -> list[str]:
     """``vllm serve`` for a session's settings: the same engine as engine_kwargs, on
     127.0.0.1, with the worker probe mixed in, then the operator's own flags."""

@@ -117,7 +117,8 @@ def answer(llm, line: str) -> tuple[str | None, dict]:
 def start(settings: dict):
     from vllm import LLM
 
-    return LLM(**releases.engine_kwargs(settings)), facts()
+    extra = releases.api_keywords(settings.get("vllm_args", []))  # the operator's flags, as keywords
+    return LLM(**{**releases.engine_kwargs(settings), **extra}), facts()
 
 
 def main(argv: list[str] | None = None) -> None:
