@@ -268,3 +268,33 @@ def test_the_wake_takes_no_checksum_and_no_synchronize(lane_tree, lane, fake, mo
     del fake.events[:]
     alloc.wake_up()
     assert fake.syncs() == []
+
+
+@pytest.mark.parametrize("skip", ["1", "0"])
+def test_a_wake_records_each_stage_and_the_bytes_it_copied_back(lane_tree, lane, fake, monkeypatch, skip):
+    monkeypatch.setenv("VLLM_CUMEM_SKIP_UNCHANGED", skip)  # recorded with the skip on or off
+    alloc = make_alloc(lane_tree, lane, fake, monkeypatch)
+    loaded(fake, alloc)
+    assert alloc.last_wake_up_stages == {}  # no wake yet
+    slow = {"map": 0.0, "copy": 0.0}  # seconds added to each call of that stage
+
+    def timed(name, fn):  # each stage's calls take a known extra time, so the split can be checked
+        def call(*args, **kwargs):
+            import time
+            time.sleep(slow[name])
+            return fn(*args, **kwargs)
+        return call
+
+    module = __import__("sys").modules[type(alloc).__module__]
+    monkeypatch.setattr(module, "create_and_map", timed("map", module.create_and_map))
+    copy = fake.cudaMemcpy
+    monkeypatch.setattr(fake, "cudaMemcpy", timed("copy", copy))
+    alloc.sleep(offload_tags=("weights",))
+    slow.update(copy=0.02)
+    alloc.wake_up()
+    stages = alloc.last_wake_up_stages
+    assert stages["copied_bytes"] == WEIGHTS
+    restored = sum(1 for t, _ in LAYOUT if t == "weights")
+    assert stages["copy_s"] >= 0.02 * restored
+    assert stages["map_restored_s"] < stages["copy_s"] and stages["map_emptied_s"] < stages["copy_s"]
+    assert set(stages) >= {"map_restored_s", "copy_s", "map_emptied_s", "copied_bytes"}

@@ -570,7 +570,7 @@ def test_the_allocator_state_says_what_the_last_sleep_copied_where_the_allocator
 
     skip = SimpleNamespace(last_sleep_copied_bytes=5, last_sleep_skipped_bytes=7, last_sleep_checksum_s=0.1)
     assert inject._last_sleep(skip) == {"last_sleep_copied_bytes": 5, "last_sleep_skipped_bytes": 7,
-                                        "last_sleep_checksum_s": 0.1}
+                                        "last_sleep_checksum_s": 0.1, "last_wake_up_stages": None}
     assert set(inject._last_sleep(SimpleNamespace()).values()) == {None}
 
 

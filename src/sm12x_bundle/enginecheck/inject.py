@@ -122,9 +122,10 @@ def allocator_state(worker) -> dict:
 
 
 def _last_sleep(alloc) -> dict:
-    """What the last sleep copied and skipped: only the unchanged-skip's allocator records it
-    (with VLLM_CUMEM_SKIP_UNCHANGED=1); None elsewhere."""
-    keys = ("last_sleep_copied_bytes", "last_sleep_skipped_bytes", "last_sleep_checksum_s")
+    """What the last sleep copied and skipped (the unchanged-skip's allocator records it with
+    VLLM_CUMEM_SKIP_UNCHANGED=1) and each stage of the last wake (the patched allocator's
+    last_wake_up_stages); None where the allocator keeps no such record."""
+    keys = ("last_sleep_copied_bytes", "last_sleep_skipped_bytes", "last_sleep_checksum_s", "last_wake_up_stages")
     return {k: getattr(alloc, k, None) for k in keys}
 
 
