@@ -596,6 +596,19 @@ def test_speed_figures_set_each_sleep_and_wake_against_the_ceilings():
     assert "first_sleep_ratio" not in bare  # --quick: no ceilings, no ratios
 
 
+def test_the_first_wakes_stages_are_read_from_every_rank_and_the_slowest_copy_judged():
+    rank = {"map_restored_s": 0.04, "copy_s": 0.5, "map_emptied_s": 0.03, "copied_bytes": WEIGHTS_13B}
+    slow = {**rank, "copy_s": 0.6}
+    state = {"ranks": [{"rank": 0, "last_wake_up_stages": rank}, {"rank": 1, "last_wake_up_stages": slow}]}
+    assert scenarios.wake_stages(state) == [rank, slow]
+    state["ranks"][1]["last_wake_up_stages"] = None  # a rank of an allocator without the record
+    assert scenarios.wake_stages(state) is None
+    assert scenarios.wake_stages({"last_wake_up_stages": rank}) == [rank]  # one rank, not in a list
+    figs = cycles_figures([0.51, 0.5, 0.5], [0.59] * 3, [rank, slow])
+    assert figs["wake_copy_ratio"] == pytest.approx(WEIGHTS_13B / 53e9 / 0.6)
+    assert "wake_copy_ratio" not in cycles_figures([0.51, 0.5, 0.5], [0.59] * 3)  # pristine keeps no record
+
+
 def test_rotation_figures_set_the_first_swap_against_the_steady_ones_and_the_ceilings():
     figs = rotation_figures(0.61, [0.60, 0.61, 0.60, 0.62, 0.60])
     assert figs["first_swap_s"] == pytest.approx(0.61) and figs["steady_median_s"] == pytest.approx(0.60)

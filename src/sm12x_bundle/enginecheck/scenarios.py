@@ -26,6 +26,13 @@ def pool_bytes(state: dict) -> int | None:
     return None if tags is None else sum(t["bytes"] for t in tags.values())
 
 
+def wake_stages(state: dict) -> list[dict] | None:
+    """Each rank's seconds for the stages of its last wake and the bytes it copied back (the
+    patched allocator's ``last_wake_up_stages``); None where a rank keeps no such record."""
+    stages = [r.get("last_wake_up_stages") if isinstance(r, dict) else None for r in state.get("ranks") or [state]]
+    return None if not stages or not all(stages) else stages
+
+
 # --- a: cycles ------------------------------------------------------------------------------
 
 
@@ -65,6 +72,8 @@ def one_cycle(bench: Bench, e: Engine, f: Finding, ref: list[list[int]], i: int)
         asleep = e.state()
         f.figures.update(allocator_asleep=asleep, offloaded_bytes=offloaded_bytes(asleep), host_asleep=e.host_memory())
     woke = e.must("wake", f"wake {i + 1}")
+    if i == 0:
+        f.figures["wake_stages"] = wake_stages(e.state())
     f.figures.setdefault("sleeps_s", []).append(slept["seconds"])
     f.figures.setdefault("wakes_s", []).append(woke["seconds"])
     if bench.sizes.fixed_cycles:  # the full run: a fresh full prefill before the reference prompts
@@ -86,6 +95,9 @@ def speed_figures(ceilings: Ceilings | None, figs: dict) -> None:
     if sleeps[1:]:
         figs["later_sleep_ratio"] = ceilings.sleep_seconds(moved) / min(sleeps[1:])
     figs["wake_ratio"] = ceilings.wake_seconds(moved) / min(wakes)
+    stages = figs.get("wake_stages") or []
+    if stages and all(r.get("copy_s") for r in stages):  # the slowest rank's copy against the ceiling
+        figs["wake_copy_ratio"] = min(ceilings.wake_seconds(r["copied_bytes"]) / r["copy_s"] for r in stages)
 
 
 # --- b: level 2 -----------------------------------------------------------------------------

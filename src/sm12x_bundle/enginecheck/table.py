@@ -100,13 +100,26 @@ def _copied(f: dict) -> str:
     return "; ".join(f"{_gib(s.get('copied_bytes'))} / {_gib(s.get('skipped_bytes'))}" for s in sleeps)
 
 
+def _wake_stages(f: dict) -> str:
+    """The first wake's stages on its slowest rank (the patched allocator alone says)."""
+    stages = f.get("wake_stages")
+    if not stages:
+        return "not reported"
+    slowest = {k: max(r.get(k) or 0.0 for r in stages) for k in stages[0] if k.endswith("_s")}
+    names = {"map_restored_s": "map", "copy_s": "copy", "map_emptied_s": "map discarded", "fill_emptied_s": "fill"}
+    parts = [f"{names.get(k, k)} {_s(v)}" + (_ratio(f.get("wake_copy_ratio"), "H2D") if k == "copy_s" else "")
+             for k, v in slowest.items()]
+    return ", ".join(parts)
+
+
 def _asleep_a(f: dict) -> str:
     return _host("host_both")({"host_both": (f.get("host_both") or {}).get("A")})
 
 
 ROWS: dict[str, list[tuple[str, Callable[[ScenarioResult], str]]]] = {
     "a": [("tokens after each wake", _f(_tokens)), ("first sleep", _f(_first_sleep)),
-          ("later sleeps", _f(_later)), ("wakes", _f(_wakes)), ("GPU memory freed", _f(_freed)),
+          ("later sleeps", _f(_later)), ("wakes", _f(_wakes)), ("first wake's stages", _f(_wake_stages)),
+          ("GPU memory freed", _f(_freed)),
           ("offloaded", _f(lambda f: _gib(f.get("offloaded_bytes")))),
           ("engine core awake", _f(_host("host_awake"))), ("engine core asleep", _f(_host("host_asleep")))],
     "b": [("tokens after reload", _f(_tokens)), ("sleep(2)", _f(lambda f: _s(f.get("sleep_s")))),
