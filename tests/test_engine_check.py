@@ -441,10 +441,14 @@ def test_every_group_ends_with_the_block_even_when_it_raises(tmp_path):
     assert groups.started == 1
 
 
+# The driver stands for the check run from a terminal, where Ctrl-C raises KeyboardInterrupt.
+# A test run started as a background job (`cmd &` in a shell without job control) inherits
+# SIGINT ignored, and Python then installs no handler of its own: the driver restores it.
 DRIVER = textwrap.dedent("""
-    import os, sys
+    import os, signal, sys
     from pathlib import Path
     from sm12x_bundle.enginecheck import procs
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     fake, pid_file, log = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     with procs.groups() as groups:
         child = groups.start([sys.executable, fake, "--hang-on", "sleep", "--grandchild", pid_file],
