@@ -113,13 +113,6 @@ def get_cuda_view_from_cpu_tensor(cpu_tensor: torch.Tensor) -> torch.Tensor:
     return raw.view(cpu_tensor.dtype).view(cpu_tensor.shape)
 
 
-class _HostView:
-    def __init__(self, tensor: torch.Tensor, nbytes: int) -> None:
-        self.tensor = tensor  # kept alive as long as the CUDA view
-        ptr = tensor.data_ptr() if nbytes else 0
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None,
-        }
 
 
 def weak_ref_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -150,6 +143,14 @@ class _Address:
         self.__cuda_array_interface__ = {
             "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None,
         }
+
+
+class _HostView(_Address):
+    """The same over a host tensor's memory, which it keeps alive as long as the CUDA view."""
+
+    def __init__(self, tensor: torch.Tensor, nbytes: int) -> None:
+        super().__init__(tensor.data_ptr() if nbytes else 0, nbytes)
+        self.tensor = tensor
 
 
 IMPLS = {

@@ -226,6 +226,12 @@ def recording(finding: Finding) -> Iterator[Finding]:
         finding.stopped = stop
 
 
+def per_rank(state: dict, key: str) -> list:
+    """``key`` of every rank's allocator state (an engine's state lists its ranks under
+    ``ranks``; one rank's state stands alone); None for a rank that does not report it."""
+    return [r.get(key) if isinstance(r, dict) else None for r in state.get("ranks") or [state]]
+
+
 def distinct_tokens(tokens: list[list[int]]) -> int:
     """How many different tokens a generation holds: identical runs of one repeated token
     would prove little, so the report shows it."""

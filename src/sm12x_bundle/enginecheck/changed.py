@@ -12,7 +12,7 @@ Without the skip every sleep copies everything and the scenario is a plain check
 
 from __future__ import annotations
 
-from .bench import Bench, Engine, Finding, Stop, first_difference, recording
+from .bench import Bench, Engine, Finding, Stop, first_difference, per_rank, recording
 from .plan import Tree
 
 STALE = "the wake restored the weights as they were before the change: stale backup"
@@ -59,7 +59,7 @@ def sleep_and_wake(e: Engine, f: Finding, what: str) -> None:
 
 def summed(state: dict, key: str) -> int | None:
     """A per-rank figure summed over every rank; None where a rank does not report it."""
-    values = [r.get(key) if isinstance(r, dict) else None for r in state.get("ranks") or [state]]
+    values = per_rank(state, key)
     return None if not values or any(v is None for v in values) else sum(values)
 
 

@@ -9,7 +9,7 @@ allocator, asked inside the engine core) and the host memory its engine core hol
 
 from __future__ import annotations
 
-from .bench import Bench, Engine, Finding, distinct_tokens, first_difference, recording
+from .bench import Bench, Engine, Finding, distinct_tokens, first_difference, per_rank, recording
 from .ceilings import Ceilings
 from .model import fresh_prompts
 from .plan import Tree
@@ -29,7 +29,7 @@ def pool_bytes(state: dict) -> int | None:
 def wake_stages(state: dict) -> list[dict] | None:
     """Each rank's seconds for the stages of its last wake and the bytes it copied back (the
     patched allocator's ``last_wake_up_stages``); None where a rank keeps no such record."""
-    stages = [r.get("last_wake_up_stages") if isinstance(r, dict) else None for r in state.get("ranks") or [state]]
+    stages = per_rank(state, "last_wake_up_stages")
     return None if not stages or not all(stages) else stages
 
 
