@@ -298,3 +298,135 @@ def test_a_wake_records_each_stage_and_the_bytes_it_copied_back(lane_tree, lane,
     assert stages["copy_s"] >= 0.02 * restored
     assert stages["map_restored_s"] < stages["copy_s"] and stages["map_emptied_s"] < stages["copy_s"]
     assert set(stages) >= {"map_restored_s", "copy_s", "map_emptied_s", "copied_bytes"}
+
+
+# --- the background fill before the first sleep -------------------------------------------
+
+
+def fill_module(alloc):
+    return __import__("sys").modules[type(alloc.skip_unchanged).__module__]
+
+
+def filled(alloc, monkeypatch, chunk: int = 1024):
+    """The fill started as the worker starts it, in CHUNK-byte copies, and waited for."""
+    monkeypatch.setattr(fill_module(alloc), "FILL_CHUNK", chunk)
+    alloc.start_background_fill()
+    fill = alloc.background_fill
+    monkeypatch.setattr(fill, "chunk", chunk)
+    return fill
+
+
+def test_the_background_fill_spares_the_first_sleep_every_copy(lane_tree, lane, fake, monkeypatch):
+    alloc = make_alloc(lane_tree, lane, fake, monkeypatch)
+    addrs = loaded(fake, alloc)
+    data = snapshot(fake, weights(addrs))
+    fill = filled(alloc, monkeypatch)
+    fill.thread.join()
+    assert fill.figures()["state"] == "done" and fill.figures()["filled_bytes"] == WEIGHTS
+    assert cycle(alloc, fake) == []  # the first sleep: nothing left to copy
+    assert (alloc.last_sleep_copied_bytes, alloc.last_sleep_skipped_bytes) == (0, WEIGHTS)
+    assert snapshot(fake, weights(addrs)) == data  # the wake restored the fill's backups
+    fake.memory[weights(addrs)[2]][7] ^= 0x80  # and a later change is still seen
+    assert cycle(alloc, fake) == [weights(addrs)[2]]
+
+
+def test_a_weight_written_while_it_is_filled_is_dropped_and_copied_by_the_sleep(
+        lane_tree, lane, fake, monkeypatch):
+    alloc = make_alloc(lane_tree, lane, fake, monkeypatch)
+    addrs = loaded(fake, alloc)
+    written = weights(addrs)[1]
+    module = fill_module(alloc)
+    rest, summed, seen = module.time.sleep, module.BackgroundFill._sum, {"on": None, "wrote": False}
+
+    def noted(self, ptr, nbytes, device):  # which allocation the fill is on
+        seen["on"] = ptr
+        return summed(self, ptr, nbytes, device)
+
+    def write_during_the_copy(seconds):  # a rest between its pieces: serving writes it, once
+        if seen["on"] == written and not seen["wrote"]:
+            fake.memory[written][0] ^= 0xFF
+            seen["wrote"] = True
+        rest(seconds)
+
+    monkeypatch.setattr(module.BackgroundFill, "_sum", noted)
+    monkeypatch.setattr(module.time, "sleep", write_during_the_copy)
+    fill = filled(alloc, monkeypatch)
+    fill.thread.join()
+    monkeypatch.setattr(module.time, "sleep", rest)
+    assert fill.dropped == 1 and fill.filled_bytes == WEIGHTS - LAYOUT[1][1]
+    data = snapshot(fake, weights(addrs))
+    assert cycle(alloc, fake) == [written]  # the one the fill dropped
+    assert snapshot(fake, weights(addrs)) == data  # with the bytes written, not the old ones
+
+
+def test_a_sleep_stops_the_fill_and_copies_what_it_did_not_finish(lane_tree, lane, fake, monkeypatch):
+    import threading
+
+    alloc = make_alloc(lane_tree, lane, fake, monkeypatch)
+    addrs = loaded(fake, alloc)
+    data = snapshot(fake, weights(addrs))
+    module = fill_module(alloc)
+    resting = threading.Event()
+
+    def held(seconds):  # the fill rests after its first piece until the sleep stops it
+        resting.set()
+        while not alloc.background_fill.stopping.is_set():
+            threading.Event().wait(0.001)
+
+    monkeypatch.setattr(module.time, "sleep", held)
+    fill = filled(alloc, monkeypatch)
+    assert resting.wait(10)
+    assert cycle(alloc, fake) == weights(addrs)  # everything: the fill finished none
+    assert fill.figures()["state"] == "stopped" and fill.filled_bytes == 0
+    assert not fill.thread.is_alive()
+    assert snapshot(fake, weights(addrs)) == data
+
+
+def test_an_allocation_freed_before_its_turn_is_not_read(lane_tree, lane, fake, monkeypatch):
+    import threading
+
+    alloc = make_alloc(lane_tree, lane, fake, monkeypatch)
+    addrs = loaded(fake, alloc)
+    gone = weights(addrs)[-1]
+    module = fill_module(alloc)
+    resting, freed = threading.Event(), threading.Event()
+
+    def held(seconds):  # after the first piece, wait until the last weight is freed
+        resting.set()
+        freed.wait(10)
+
+    monkeypatch.setattr(module.time, "sleep", held)
+    fill = filled(alloc, monkeypatch)
+    assert resting.wait(10)
+    fake.my_free(alloc, gone)  # the free callback takes the fill's lock
+    freed.set()
+    fill.thread.join()
+    assert fill.figures()["state"] == "done"
+    assert fill.filled_bytes == WEIGHTS - LAYOUT[-1][1]  # read no byte of it
+
+
+def test_switched_off_the_fill_makes_no_backup(lane_tree, lane, fake, monkeypatch):
+    monkeypatch.setenv("VLLM_CUMEM_BACKGROUND_FILL", "0")
+    alloc = make_alloc(lane_tree, lane, fake, monkeypatch)
+    addrs = loaded(fake, alloc)
+    alloc.start_background_fill()
+    assert alloc.background_fill is None
+    assert cycle(alloc, fake) == weights(addrs)
+
+
+def test_without_the_skip_there_is_no_fill(lane_tree, lane, fake, monkeypatch):
+    monkeypatch.setenv("VLLM_CUMEM_SKIP_UNCHANGED", "0")
+    alloc = make_alloc(lane_tree, lane, fake, monkeypatch)
+    loaded(fake, alloc)
+    alloc.start_background_fill()
+    assert alloc.background_fill is None
+
+
+def test_each_lanes_worker_starts_the_fill_once_warm_up_is_done(lane_tree, lane):
+    worker = lane_tree(lane, "patched") / "vllm/v1/worker/gpu_worker.py"
+    method = "Worker._compile_or_warm_up_model" if lane == "0.33.0" else "Worker.compile_or_warm_up_model"
+    calls = calls_in(lane_tree(lane, "patched"), method)
+    assert "start_background_fill" in calls
+    assert calls.index("freeze_gc_heap") < calls.index("start_background_fill")
+    assert "start_background_fill" not in calls_in(lane_tree(lane, "pinned"), method)
+    assert worker.is_file()
