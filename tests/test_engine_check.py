@@ -574,8 +574,22 @@ def test_the_allocator_state_says_what_the_last_sleep_copied_where_the_allocator
 
     skip = SimpleNamespace(last_sleep_copied_bytes=5, last_sleep_skipped_bytes=7, last_sleep_checksum_s=0.1)
     assert inject._last_sleep(skip) == {"last_sleep_copied_bytes": 5, "last_sleep_skipped_bytes": 7,
-                                        "last_sleep_checksum_s": 0.1, "last_wake_up_stages": None}
+                                        "last_sleep_checksum_s": 0.1, "last_wake_up_stages": None,
+                                        "background_fill": None}
     assert set(inject._last_sleep(SimpleNamespace()).values()) == {None}
+
+
+def test_the_allocator_state_reports_the_background_fill_where_the_allocator_has_one():
+    from types import SimpleNamespace
+
+    from sm12x_bundle.enginecheck import inject
+
+    done = {"filled_bytes": 5, "seconds": 0.2, "state": "done", "dropped": 1}
+    fill = SimpleNamespace(figures=lambda: done)
+    assert inject._last_sleep(SimpleNamespace(background_fill=fill))["background_fill"] == done
+    assert inject._last_sleep(SimpleNamespace(background_fill=None))["background_fill"] is None  # the skip off
+    assert inject._last_sleep(SimpleNamespace(background_fill=object()))["background_fill"] is None  # no figures()
+    assert inject._last_sleep(SimpleNamespace())["background_fill"] is None  # pristine
 
 
 def test_a_change_that_moves_no_token_is_an_error_not_a_pass(tmp_path, monkeypatch):
