@@ -36,6 +36,7 @@ from sm12x_bundle.enginecheck import (
     protocol,
     releases,
     report,
+    rotation,
     scenarios,
     table,
 )
@@ -47,6 +48,7 @@ from sm12x_bundle.errors import ApplyError, ConfigError, EnvironmentProblem
 from sm12x_bundle.source import cache, fetch, index
 from tools.golden.engine_check import (
     ALLOCATION,
+    CEILINGS,
     H100,
     WEIGHTS_7B,
     WEIGHTS_13B,
@@ -488,9 +490,10 @@ def test_the_engine_core_is_found_among_the_sessions_descendants(tmp_path):
     assert hostmem.status(grandchild) is None or gone(grandchild)
 
 
-def fake_bench(tmp_path: Path, groups: procs.Groups, *flags: str) -> bench.Bench:
-    sizes = plan.plan_sizes(plan.select(["a"]), *H100.values(), quick=True)
-    return bench.Bench(groups, None, sizes, {"single": tmp_path / "model"}, None, None, tmp_path,
+def fake_bench(tmp_path: Path, groups: procs.Groups, *flags: str, scenario: str = "a") -> bench.Bench:
+    sizes = plan.plan_sizes(plan.select([scenario]), *H100.values(), quick=True, swaps=4)
+    models = {"single": tmp_path / "model", "pair": tmp_path / "model"}
+    return bench.Bench(groups, None, sizes, models, None, None, tmp_path,
                        model.prompts(2, 4), call_timeout=5, start_timeout=30, session=(*FAKE_SESSION, *flags))
 
 
@@ -574,8 +577,57 @@ def test_the_allocator_state_says_what_the_last_sleep_copied_where_the_allocator
 
     skip = SimpleNamespace(last_sleep_copied_bytes=5, last_sleep_skipped_bytes=7, last_sleep_checksum_s=0.1)
     assert inject._last_sleep(skip) == {"last_sleep_copied_bytes": 5, "last_sleep_skipped_bytes": 7,
-                                        "last_sleep_checksum_s": 0.1, "last_wake_up_stages": None}
+                                        "last_sleep_checksum_s": 0.1, "last_wake_up_stages": None,
+                                        "background_fill": None}
     assert set(inject._last_sleep(SimpleNamespace()).values()) == {None}
+
+
+def test_the_allocator_state_reports_the_background_fill_where_the_allocator_has_one():
+    from types import SimpleNamespace
+
+    from sm12x_bundle.enginecheck import inject
+
+    done = {"filled_bytes": 5, "seconds": 0.2, "state": "done", "dropped": 1}
+    fill = SimpleNamespace(figures=lambda: done)
+    assert inject._last_sleep(SimpleNamespace(background_fill=fill))["background_fill"] == done
+    assert inject._last_sleep(SimpleNamespace(background_fill=None))["background_fill"] is None  # the skip off
+    assert inject._last_sleep(SimpleNamespace(background_fill=object()))["background_fill"] is None  # no figures()
+    assert inject._last_sleep(SimpleNamespace())["background_fill"] is None  # pristine
+
+
+def rotation_run(tmp_path: Path, *flags: str) -> Finding:
+    tree = plan.Tree("patched", tmp_path, (tmp_path,))
+    with procs.groups() as groups:
+        return rotation.rotation(fake_bench(tmp_path, groups, *flags, scenario="c"), tree)
+
+
+def test_each_swap_records_what_its_sleep_copied_and_its_wakes_stages_and_bs_fill_before(tmp_path):
+    f = rotation_run(tmp_path, "--records")
+    assert f.outcome()[0] == "pass", f.outcome()
+    swaps = f.figures["swaps"]
+    assert [(s["sleeps"], s["copied_bytes"], s["skipped_bytes"]) for s in swaps] == [
+        ("B", GiB, 0), ("A", 0, GiB), ("B", 0, GiB), ("A", 0, GiB)]  # each engine's first sleep copies
+    assert all(s["wake_stages"] == [{"map_restored_s": 0.01, "copy_s": 0.02, "map_emptied_s": 0.01,
+                                     "copied_bytes": GiB}] for s in swaps)
+    assert f.figures["b_fill_before_first_sleep"] == [{"filled_bytes": GiB, "seconds": 0.5, "state": "done",
+                                                       "dropped": 0}]
+
+
+def test_swaps_of_an_allocator_that_keeps_no_records_say_none(tmp_path):
+    f = rotation_run(tmp_path)
+    assert f.outcome()[0] == "pass", f.outcome()
+    assert {(s["copied_bytes"], s["skipped_bytes"], s["wake_stages"]) for s in f.figures["swaps"]} == {(None,) * 3}
+    assert f.figures["b_fill_before_first_sleep"] is None
+    rotation.rotation_figures(CEILINGS, f.figures)
+    assert f.figures["wake_copy_ratios"] == []
+    rows = dict(table_rows("c", f.figures))
+    assert rows["sleeps copied / skipped"] == "-" and rows["steady wakes' stages"] == "not reported"
+    assert rows["B's fill before its first sleep"] == "-"
+
+
+def table_rows(key: str, figures: dict) -> list[tuple[str, str]]:
+    result = report.ScenarioResult(key, "patched", "pass", "", 1, figures)
+    return [(name, cell(result)) for name, cell in table.ROWS[key]]
 
 
 def test_a_change_that_moves_no_token_is_an_error_not_a_pass(tmp_path, monkeypatch):
@@ -619,6 +671,34 @@ def test_rotation_figures_set_the_first_swap_against_the_steady_ones_and_the_cei
     assert figs["first_over_steady"] == pytest.approx(0.61 / 0.60)
     assert figs["ideal_swap_s"] == pytest.approx(WEIGHTS_7B / 55e9 + WEIGHTS_7B / 53e9)
     assert figs["steady_over_ideal"] == pytest.approx(0.62 / figs["ideal_swap_s"])
+
+
+def test_each_steady_wakes_copy_is_set_against_the_h2d_ceiling_on_its_slowest_rank():
+    fast = {"map_restored_s": 0.02, "copy_s": 0.25, "map_emptied_s": 0.02, "copied_bytes": WEIGHTS_7B}
+    slow = {**fast, "copy_s": 0.5}
+    moved = {"copied_bytes": 0, "skipped_bytes": WEIGHTS_7B, "wake_stages": [fast, slow]}
+    figs = rotation_figures(0.61, [0.60] * 5, moved)
+    assert figs["wake_copy_ratios"] == pytest.approx([WEIGHTS_7B / 53e9 / 0.5] * 5)  # the first swap left out
+    figs["swaps"][2]["wake_stages"] = None  # a swap whose wake was not recorded
+    rotation.rotation_figures(CEILINGS, figs)
+    assert len(figs["wake_copy_ratios"]) == 4
+    assert rotation_figures(0.61, [0.60] * 5)["wake_copy_ratios"] == []  # pristine keeps no record
+
+
+def test_the_rotation_rows_say_each_sleeps_copies_the_steady_wakes_and_bs_fill():
+    fill = [{"filled_bytes": GiB, "seconds": 1.0, "state": "done", "dropped": 0},
+            {"filled_bytes": GiB // 2, "seconds": 2.0, "state": "stopped", "dropped": 3}]
+    first = {"copied_bytes": 2 * GiB, "skipped_bytes": 0}
+    figs = rotation_figures(0.61, [0.60] * 5, {"copied_bytes": 0, "skipped_bytes": 2 * GiB, "wake_stages": [
+        {"map_restored_s": 0.02, "copy_s": 0.25, "map_emptied_s": 0.03, "copied_bytes": WEIGHTS_7B}]}, fill)
+    figs["swaps"][0].update(first)
+    rows = dict(table_rows("c", figs))
+    assert rows["sleeps copied / skipped"] == "2.00 / 0.00 GiB; 0.00 / 2.00 GiB (x5)"
+    ratio = WEIGHTS_7B / 53e9 / 0.25
+    assert rows["steady wakes' stages"] == f"map 0.02 s, copy 0.25 s ({ratio:.2f} of H2D), map discarded 0.03 s"
+    assert rows["B's fill before its first sleep"] == "1.50 GiB in 2.00 s, done/stopped, 3 dropped"
+    figs["swaps"][0]["skipped_bytes"] = None
+    assert dict(table_rows("c", figs))["sleeps copied / skipped"].startswith("2.00 / - GiB; ")
 
 
 def test_a_failure_names_the_allocation_by_its_tag_and_its_size_or_address():

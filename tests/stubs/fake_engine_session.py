@@ -15,6 +15,10 @@ only on a GPU. Behaviour is chosen by flags:
   --stale-wake             a sleep after the first copies nothing, so a wake restores the
                            weights as they were at the first sleep (a weight changed in place
                            in between is lost: the unchanged-skip's danger)
+  --records                the state says what the patched allocator records: the last
+                           sleep's copied and skipped bytes (the first sleep copies the
+                           1 GiB of weights, a later one skips them), the last wake's
+                           stages, and a background fill that is done
 """
 
 from __future__ import annotations
@@ -28,6 +32,10 @@ import time
 # The "weights": an offset every token moves by; perturb changes it in place, a sleep backs
 # it up, a wake restores the backup.
 WEIGHTS = {"now": 0, "backup": None}
+POOL = 1 << 30
+# What the patched allocator records, answered with --records.
+RECORDS = {"last_sleep_copied_bytes": None, "last_sleep_skipped_bytes": None, "last_wake_up_stages": {},
+           "background_fill": {"filled_bytes": POOL, "seconds": 0.5, "state": "done", "dropped": 0}}
 
 
 def tokens(prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -55,12 +63,23 @@ def grandchild(pid_file: str) -> None:
         fh.write(str(pid))
 
 
-def answer(cmd: str, args: dict) -> dict:
+def record(cmd: str) -> None:
+    """The allocator's records after a sleep or a wake."""
+    if cmd == "sleep":
+        first = RECORDS["last_sleep_copied_bytes"] is None
+        RECORDS.update(last_sleep_copied_bytes=POOL if first else 0, last_sleep_skipped_bytes=0 if first else POOL)
+    if cmd == "wake":
+        RECORDS["last_wake_up_stages"] = {"map_restored_s": 0.01, "copy_s": 0.02, "map_emptied_s": 0.01,
+                                          "copied_bytes": POOL}
+
+
+def answer(cmd: str, args: dict, records: bool) -> dict:
     if cmd == "generate":
         return {"tokens": tokens(args["prompts"], args["max_tokens"])}
     if cmd == "state":
-        return {"tags": {"weights": {"allocations": 4, "bytes": 1 << 30, "asleep": 0, "backed_up_bytes": 0}},
-                "is_sleeping": False}
+        tags = {"weights": {"allocations": 4, "bytes": POOL, "asleep": 0, "backed_up_bytes": 0}}
+        return {"tags": tags, "is_sleeping": False, **(RECORDS if records else {})}
+    record(cmd)
     return {}
 
 
@@ -70,6 +89,7 @@ def main() -> None:
         p.add_argument(flag)
     p.add_argument("--fail-start", action="store_true")
     p.add_argument("--stale-wake", action="store_true")
+    p.add_argument("--records", action="store_true")
     args = p.parse_args()
     print("fake engine: starting", file=sys.stderr, flush=True)
     if args.grandchild:
@@ -90,7 +110,7 @@ def main() -> None:
         if cmd == args.fail_on:
             reply = {"ok": False, "seconds": 0.01, "error": f"Exception: Call to {cmd} method failed: injected"}
         else:
-            reply = {"ok": True, "seconds": 0.01, **answer(cmd, request["args"]),
+            reply = {"ok": True, "seconds": 0.01, **answer(cmd, request["args"], args.records),
                      **weights(cmd, request["args"], args.stale_wake)}
         print(json.dumps(reply), flush=True)
         if cmd == "exit":

@@ -28,11 +28,21 @@ def cycles_figures(sleeps: list[float], wakes: list[float], stages: list[dict] |
     return figs
 
 
-def rotation_figures(first: float, steady: list[float]) -> dict:
-    swaps = [{"sleep_s": t / 2, "wake_s": t / 2} for t in [first, *steady]]
-    figs = {"tokens_identical": True, "swaps": swaps, "a_moved_bytes": WEIGHTS_7B, "b_moved_bytes": WEIGHTS_7B}
+def rotation_figures(first: float, steady: list[float], moved: dict | None = None, fill: list | None = None) -> dict:
+    """Scenario c's figures; ``moved``: what every swap's sleep copied and wake took (the
+    patched allocator's records), ``fill``: B's background fill per rank."""
+    swaps = [{"sleep_s": t / 2, "wake_s": t / 2, **(moved or {})} for t in [first, *steady]]
+    figs = {"tokens_identical": True, "swaps": swaps, "a_moved_bytes": WEIGHTS_7B, "b_moved_bytes": WEIGHTS_7B,
+            "b_fill_before_first_sleep": fill}
     rotation.rotation_figures(CEILINGS, figs)
     return figs
+
+
+# The patched pair with the unchanged-skip: B's fill was done before its first sleep, so
+# every sleep copies nothing; every wake copies the weights back.
+SWAP_STAGES = [{"map_restored_s": 0.02, "copy_s": 0.26, "map_emptied_s": 0.02, "copied_bytes": WEIGHTS_7B}]
+SWAP_MOVED = {"copied_bytes": 0, "skipped_bytes": WEIGHTS_7B, "wake_stages": SWAP_STAGES}
+B_FILL = [{"filled_bytes": WEIGHTS_7B, "seconds": 3.2, "state": "done", "dropped": 0}]
 
 
 def checks(*held: tuple[str, bool]) -> dict:
@@ -57,7 +67,8 @@ def compare_results() -> list[report.ScenarioResult]:
         r("b", "pristine", "pass", "identical tokens", 80, {"tokens_identical": True, "reload": "the dummy loader"}),
         r("b", "patched", "pass", "identical tokens", 80, {"tokens_identical": True, "reload": "the dummy loader"}),
         r("c", "pristine", "pass", "identical tokens", 200, rotation_figures(16.1, [0.63] * 5)),
-        r("c", "patched", "pass", "identical tokens", 150, rotation_figures(0.61, [0.60, 0.61, 0.60, 0.62, 0.60])),
+        r("c", "patched", "pass", "identical tokens", 150,
+          rotation_figures(0.61, [0.60, 0.61, 0.60, 0.62, 0.60], SWAP_MOVED, B_FILL)),
         survived_result("d1", "pristine", False), survived_result("d1", "patched", True),
         survived_result("d2", "pristine", False), survived_result("d2", "patched", True),
         r("e", "pristine", "pass", "identical tokens", 100, {"tokens_identical": True}),

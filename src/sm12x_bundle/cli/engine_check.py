@@ -42,7 +42,10 @@ scenarios (--scenario LETTER or NAME, repeatable; default all, --quick: a only):
   b  level2         sleep(2), wake, reload the weights (vLLM's reload_weights, else the
                     dummy loader again: it writes the same seeded values); tokens
   c  rotation       two engines on one GPU, B starts while A sleeps, --swaps swaps;
-                    first swap against steady ones, and against the ceilings; tokens
+                    first swap against steady ones, and against the ceilings; tokens;
+                    where the allocator records them: what each sleep copied and
+                    skipped, the steady wakes' stages, B's background fill before its
+                    first sleep
   d1 failing-sleep  host memory for the backups runs out half-way through a sleep
                     (injected in the engine core); serve, sleep and wake again
   d2 held-wake      asleep; another process takes the GPU memory; the wake fails; it

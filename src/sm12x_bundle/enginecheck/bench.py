@@ -232,6 +232,12 @@ def per_rank(state: dict, key: str) -> list:
     return [r.get(key) if isinstance(r, dict) else None for r in state.get("ranks") or [state]]
 
 
+def summed(state: dict, key: str) -> int | None:
+    """A per-rank figure summed over every rank; None where a rank does not report it."""
+    values = per_rank(state, key)
+    return None if not values or any(v is None for v in values) else sum(values)
+
+
 def distinct_tokens(tokens: list[list[int]]) -> int:
     """How many different tokens a generation holds: identical runs of one repeated token
     would prove little, so the report shows it."""

@@ -12,7 +12,7 @@ Without the skip every sleep copies everything and the scenario is a plain check
 
 from __future__ import annotations
 
-from .bench import Bench, Engine, Finding, Stop, first_difference, per_rank, recording
+from .bench import Bench, Engine, Finding, Stop, first_difference, recording, summed
 from .plan import Tree
 
 STALE = "the wake restored the weights as they were before the change: stale backup"
@@ -55,12 +55,6 @@ def sleep_and_wake(e: Engine, f: Finding, what: str) -> None:
         "what": what, "sleep_s": slept.get("seconds"), "wake_s": woke.get("seconds"),
         "copied_bytes": summed(state, "last_sleep_copied_bytes"),
         "skipped_bytes": summed(state, "last_sleep_skipped_bytes")})
-
-
-def summed(state: dict, key: str) -> int | None:
-    """A per-rank figure summed over every rank; None where a rank does not report it."""
-    values = per_rank(state, key)
-    return None if not values or any(v is None for v in values) else sum(values)
 
 
 def judge_after_change(f: Finding, before: list[list[int]], after: list[list[int]], got: list[list[int]],

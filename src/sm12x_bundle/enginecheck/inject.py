@@ -123,10 +123,18 @@ def allocator_state(worker) -> dict:
 
 def _last_sleep(alloc) -> dict:
     """What the last sleep copied and skipped (the unchanged-skip's allocator records it with
-    VLLM_CUMEM_SKIP_UNCHANGED=1) and each stage of the last wake (the patched allocator's
-    last_wake_up_stages); None where the allocator keeps no such record."""
+    VLLM_CUMEM_SKIP_UNCHANGED=1), each stage of the last wake (the patched allocator's
+    last_wake_up_stages) and its background fill; None where the allocator keeps no such record."""
     keys = ("last_sleep_copied_bytes", "last_sleep_skipped_bytes", "last_sleep_checksum_s", "last_wake_up_stages")
-    return {k: getattr(alloc, k, None) for k in keys}
+    return {**{k: getattr(alloc, k, None) for k in keys}, "background_fill": _background_fill(alloc)}
+
+
+def _background_fill(alloc) -> dict | None:
+    """The skip's fill of the backups while the engine serves, before its first sleep
+    (filled_bytes, seconds, state, dropped); None where the allocator starts none."""
+    fill = getattr(alloc, "background_fill", None)
+    figures = getattr(fill, "figures", None)
+    return figures() if callable(figures) else None
 
 
 def _pool(alloc) -> dict | None:

@@ -6,18 +6,21 @@ now awake generates: its tokens must equal its own first ones. The first swap ho
 first sleep; the steady swaps are the rest. A swap's time is the sleep's and the wake's
 as the sessions timed vLLM's calls; the bytes it moves are what the sleeping engine
 offloaded (D2H) and what the waking one restores (H2D), set against the copy ceilings.
+After each swap (outside its timed calls) both allocators are asked what the sleep copied
+and skipped and what each stage of the wake took, and before the first swap what B's
+background fill had done; an allocator that keeps no such record gives None.
 """
 
 from __future__ import annotations
 
 import statistics
 
-from .bench import Bench, Engine, Finding, Stop, recording
+from .bench import Bench, Engine, Finding, Stop, per_rank, recording, summed
 from .ceilings import Ceilings
 from .endpoints import Server
 from .swap import rotate
 from .plan import Tree
-from .scenarios import offloaded_bytes
+from .scenarios import offloaded_bytes, wake_copy_ratio, wake_stages
 
 
 def rotation(bench: Bench, tree: Tree) -> Finding:
@@ -30,6 +33,8 @@ def rotation(bench: Bench, tree: Tree) -> Finding:
         with bench.engine(tree, "pair", f"{tree.label}-rotation-B") as b:
             refs["B"] = b.generate("B's first generate")
             f.figures["host_b_awake"] = b.host_memory()
+            fills = per_rank(b.state(), "background_fill")
+            f.figures["b_fill_before_first_sleep"] = fills if any(fills) else None
             swaps(bench, f, {"A": a, "B": b}, refs)
     rotation_figures(bench.ceilings, f.figures)
     return f
@@ -39,14 +44,22 @@ def swaps(bench: Bench, f: Finding, engines: dict[str, Engine], refs: dict[str, 
     awake, asleep = "B", "A"
     for i in range(bench.sizes.swaps):
         sleep_s, wake_s = one_swap(bench, engines[awake], engines[asleep], f"swap {i + 1}")
+        slept = engines[awake].state()
         f.figures.setdefault("swaps", []).append(
-            {"sleeps": awake, "wakes": asleep, "sleep_s": sleep_s, "wake_s": wake_s})
+            {"sleeps": awake, "wakes": asleep, "sleep_s": sleep_s, "wake_s": wake_s,
+             **what_moved(slept, engines[asleep].state())})
         if i == 0:
-            f.figures["b_moved_bytes"] = offloaded_bytes(engines[awake].state())
+            f.figures["b_moved_bytes"] = offloaded_bytes(slept)
             f.figures["host_both"] = {name: e.host_memory() for name, e in engines.items()}
         got = engines[asleep].generate(f"swap {i + 1}: {asleep}'s generate")
         f.tokens(f"swap {i + 1} ({asleep} awake)", refs[asleep], got)
         awake, asleep = asleep, awake
+
+
+def what_moved(slept: dict, woke: dict) -> dict:
+    """What the sleep copied and skipped (summed over ranks) and each rank's stages of the wake."""
+    return {"copied_bytes": summed(slept, "last_sleep_copied_bytes"),
+            "skipped_bytes": summed(slept, "last_sleep_skipped_bytes"), "wake_stages": wake_stages(woke)}
 
 
 def one_swap(bench: Bench, awake: Engine, asleep: Engine, what: str) -> tuple[float, float]:
@@ -65,8 +78,9 @@ def one_swap(bench: Bench, awake: Engine, asleep: Engine, what: str) -> tuple[fl
 
 
 def rotation_figures(ceilings: Ceilings | None, figs: dict) -> None:
-    """Swap times, the first against the steady ones, and a steady swap against the time
-    its bytes take at the ceilings."""
+    """Swap times, the first against the steady ones, a steady swap against the time its
+    bytes take at the ceilings, and each steady wake's copy (where its stages are recorded)
+    against the H2D ceiling."""
     swaps_done = figs.get("swaps") or []
     if len(swaps_done) < 2:
         return
@@ -79,3 +93,6 @@ def rotation_figures(ceilings: Ceilings | None, figs: dict) -> None:
     if ceilings and moved:
         figs["ideal_swap_s"] = ceilings.sleep_seconds(moved) + ceilings.wake_seconds(moved)
         figs["steady_over_ideal"] = figs["steady_max_s"] / figs["ideal_swap_s"]
+    if ceilings:
+        ratios = [wake_copy_ratio(ceilings, s.get("wake_stages")) for s in swaps_done[1:]]
+        figs["wake_copy_ratios"] = [r for r in ratios if r is not None]

@@ -95,9 +95,17 @@ def speed_figures(ceilings: Ceilings | None, figs: dict) -> None:
     if sleeps[1:]:
         figs["later_sleep_ratio"] = ceilings.sleep_seconds(moved) / min(sleeps[1:])
     figs["wake_ratio"] = ceilings.wake_seconds(moved) / min(wakes)
-    stages = figs.get("wake_stages") or []
-    if stages and all(r.get("copy_s") for r in stages):  # the slowest rank's copy against the ceiling
-        figs["wake_copy_ratio"] = min(ceilings.wake_seconds(r["copied_bytes"]) / r["copy_s"] for r in stages)
+    ratio = wake_copy_ratio(ceilings, figs.get("wake_stages"))
+    if ratio is not None:
+        figs["wake_copy_ratio"] = ratio
+
+
+def wake_copy_ratio(ceilings: Ceilings, stages: list[dict] | None) -> float | None:
+    """The slowest rank's copy back against the H2D ceiling (1.0: at the ceiling); None where
+    a rank does not say how long its copy took."""
+    if not stages or not all(r.get("copy_s") for r in stages):
+        return None
+    return min(ceilings.wake_seconds(r["copied_bytes"]) / r["copy_s"] for r in stages)
 
 
 # --- b: level 2 -----------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
+from itertools import groupby
 
 from .plan import SCENARIOS
 from .report import Report, ScenarioResult, failures, holds
@@ -103,13 +105,56 @@ def _copied(f: dict) -> str:
 def _wake_stages(f: dict) -> str:
     """The first wake's stages on its slowest rank (the patched allocator alone says)."""
     stages = f.get("wake_stages")
-    if not stages:
-        return "not reported"
-    slowest = {k: max(r.get(k) or 0.0 for r in stages) for k in stages[0] if k.endswith("_s")}
+    return "not reported" if not stages else _stages_line(_slowest(stages), f.get("wake_copy_ratio"))
+
+
+def _slowest(stages: list[dict]) -> dict:
+    """Each stage's seconds on the rank slowest at it."""
+    return {k: max(r.get(k) or 0.0 for r in stages) for k in stages[0] if k.endswith("_s")}
+
+
+def _stages_line(slowest: dict, copy_ratio: float | None) -> str:
     names = {"map_restored_s": "map", "copy_s": "copy", "map_emptied_s": "map discarded", "fill_emptied_s": "fill"}
-    parts = [f"{names.get(k, k)} {_s(v)}" + (_ratio(f.get("wake_copy_ratio"), "H2D") if k == "copy_s" else "")
-             for k, v in slowest.items()]
-    return ", ".join(parts)
+    return ", ".join(f"{names.get(k, k)} {_s(v)}" + (_ratio(copy_ratio, "H2D") if k == "copy_s" else "")
+                     for k, v in slowest.items())
+
+
+def _swap_wakes(f: dict) -> str:
+    """The steady wakes' stages: each stage's median over the swaps of its slowest rank's
+    seconds, and the median of the swaps' copy ratios (each its slowest rank's)."""
+    steady = [s["wake_stages"] for s in (f.get("swaps") or [])[1:] if s.get("wake_stages")]
+    if not steady:
+        return "-" if not f.get("swaps") else "not reported"
+    per_swap = [_slowest(stages) for stages in steady]
+    medians = {k: statistics.median(s.get(k) or 0.0 for s in per_swap) for k in per_swap[0]}
+    ratios = f.get("wake_copy_ratios")
+    return _stages_line(medians, statistics.median(ratios) if ratios else None)
+
+
+def _swap_copies(f: dict) -> str:
+    """Each swap's sleep: copied / skipped, a run of equal swaps as one (xN)."""
+    swaps = f.get("swaps") or []
+    if not any(s.get("copied_bytes") is not None for s in swaps):
+        return "-"
+    each = [f"{_n(s.get('copied_bytes'))} / {_n(s.get('skipped_bytes'))} GiB" for s in swaps]
+    runs = [(words, len(list(same))) for words, same in groupby(each)]
+    return "; ".join(words + (f" (x{n})" if n > 1 else "") for words, n in runs)
+
+
+def _n(n) -> str:
+    return "-" if n is None else f"{n / GiB:.2f}"
+
+
+def _fill(f: dict) -> str:
+    """B's background fill before its first sleep: bytes summed over ranks, the slowest
+    rank's seconds, each state."""
+    ranks = [r for r in f.get("b_fill_before_first_sleep") or [] if r]
+    if not ranks:
+        return "-"
+    states = "/".join(dict.fromkeys(str(r.get("state")) for r in ranks))
+    dropped = sum(r.get("dropped") or 0 for r in ranks)
+    return (f"{_gib(sum(r.get('filled_bytes') or 0 for r in ranks))} in "
+            f"{_s(max(r.get('seconds') or 0.0 for r in ranks))}, {states}" + (f", {dropped} dropped" if dropped else ""))
 
 
 def _asleep_a(f: dict) -> str:
@@ -126,7 +171,9 @@ ROWS: dict[str, list[tuple[str, Callable[[ScenarioResult], str]]]] = {
           ("GPU memory freed", _f(_freed)), ("wake", _f(lambda f: _s(f.get("wake_s")))),
           ("weights reloaded by", _f(lambda f: f"{f.get('reload') or '-'} ({_s(f.get('reload_s'))})"))],
     "c": [("tokens after every wake", _f(_tokens)), ("A's first sleep", _f(lambda f: _s(f.get("a_first_sleep_s")))),
-          ("first swap", _f(_first_swap)), ("steady swaps", _f(_swaps)), ("engine A asleep", _f(_asleep_a))],
+          ("first swap", _f(_first_swap)), ("steady swaps", _f(_swaps)),
+          ("sleeps copied / skipped", _f(_swap_copies)), ("steady wakes' stages", _f(_swap_wakes)),
+          ("B's fill before its first sleep", _f(_fill)), ("engine A asleep", _f(_asleep_a))],
     "d1": [("fails naming the allocation", _check("the failure names the allocation")),
            ("left as before", _check("every byte still on the GPU")),
            ("serves after it", _check("served after the failed sleep")),
