@@ -53,6 +53,25 @@ class FakePool:
         return [{"address": a, "allocated_size": n} for a, n in self.in_use.items()]
 
 
+class FakeAsyncCopy:
+    """cudaMemcpyAsync as a ctypes function: argtypes and restype can be set; the copy
+    is done at once, through the fake's cudaMemcpy (so its failures and a test's wrapper
+    apply), and the fake's queue notes the address as touched until a synchronize."""
+
+    def __init__(self, fake: "FakeCuda") -> None:
+        self.fake, self.argtypes, self.restype = fake, None, None
+
+    def __call__(self, dst: int, src: int, count: int, kind: int, stream) -> int:
+        self.fake.cudaMemcpy(dst, src, count)
+        self.fake.events.append(("copy async", dst))
+        return 0
+
+
+class FakeLib:
+    def __init__(self, fake: "FakeCuda") -> None:
+        self.cudaMemcpyAsync = FakeAsyncCopy(fake)
+
+
 class FakeCuda:
     """The cumem C extension and libcudart as cumem.py sees them, and the device."""
 
@@ -97,6 +116,15 @@ class FakeCuda:
         self.events.append(("map", d_mem))
 
     # -- CudaRTLibrary ---------------------------------------------------------
+    @property
+    def lib(self) -> "FakeLib":
+        """The loaded library (the patched wake calls cudaMemcpyAsync through it)."""
+        return FakeLib(self)
+
+    def CUDART_CHECK(self, result: int) -> None:
+        if result != 0:
+            raise RuntimeError(f"CUDART error: {result}")
+
     def cudaMemcpy(self, dst: int, src: int, count: int) -> None:
         if dst >= DEVICE_BASE:
             if dst == self.fail_copy_to:
@@ -323,7 +351,8 @@ def test_patched_synchronizes_only_when_something_is_unmapped(fake, request, mon
     alloc.sleep(offload_tags=("weights",))
     fake.events.clear()
     alloc.wake_up()
-    assert fake.syncs() == [] and set(fake.memory) == set(addrs)
+    # the wake's copies back are queued (cudaMemcpyAsync): one synchronize, at its end
+    assert fake.syncs() == [0] and fake.events[-1] == ("sync", 0) and set(fake.memory) == set(addrs)
 
 
 # --- wake_up rollback (0.21.0's 0002, 0.33.0's 0001) -----------------------------------
@@ -402,11 +431,14 @@ def test_wake_up_failing_at_allocation_k_rolls_back(lane, variant, fake, alloc, 
     assert_woken_intact(fake, alloc, addrs, data)
 
 
-def test_wake_up_maps_the_discarded_allocations_after_the_copies(lane, variant, fake, alloc, monkeypatch):
+def test_wake_up_queues_each_copy_after_its_map_and_maps_the_discarded_allocations_last(
+        lane, variant, fake, alloc, monkeypatch):
     """The driver works on new memory after cuMemCreate returns and copies queued then
     wait for it: a discarded kv cache mapped before the copies made the wake about 3%
-    slower on an H200 (docs/results.md). The patched wake maps and copies the
-    offloaded allocations, then maps the discarded ones."""
+    slower on an H200 (docs/results.md). The patched wake maps each offloaded allocation
+    and queues its copy at once (the host maps the next while the link copies: in an
+    engine the maps took longer than the copies), then maps the discarded ones, then
+    waits for the copies."""
     addrs, data = asleep_with_data(fake, alloc)
     record_copies(fake, monkeypatch)
     alloc.wake_up()
@@ -414,7 +446,8 @@ def test_wake_up_maps_the_discarded_allocations_after_the_copies(lane, variant, 
     weights = [a for (tag, _), a in zip(LAYOUT, addrs) if tag == "weights"]
     kv = [a for (tag, _), a in zip(LAYOUT, addrs) if tag != "weights"]
     if variant == "patched":
-        expected = [("map", a) for a in weights] + [("copy", a) for a in weights] + [("map", a) for a in kv]
+        expected = [e for a in weights for e in (("map", a), ("copy", a))] + [("map", a) for a in kv]
+        assert fake.events[-1] == ("sync", 0)  # after every map: the copies ran meanwhile
     else:  # pristine: map and copy one allocation at a time, in layout order
         expected = [e for a in addrs for e in ((("map", a), ("copy", a)) if a in weights else (("map", a),))]
     assert events == expected
