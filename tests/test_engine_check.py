@@ -595,6 +595,70 @@ def test_the_allocator_state_reports_the_background_fill_where_the_allocator_has
     assert inject._last_sleep(SimpleNamespace())["background_fill"] is None  # pristine
 
 
+def test_a_workers_gc_collect_is_timed_with_the_objects_frozen_out_of_it():
+    import gc
+    from types import SimpleNamespace
+
+    from sm12x_bundle.enginecheck import inject, probe
+
+    loose = inject.gc_collect_time(SimpleNamespace(rank=1))
+    assert set(loose) == {"rank", "pid", "seconds", "frozen"} and (loose["rank"], loose["pid"]) == (1, os.getpid())
+    assert isinstance(loose["seconds"], float) and loose["seconds"] > 0
+    gc.freeze()  # as the patched series does after warm-up
+    try:
+        frozen = probe.Probe.sm12x_gc(SimpleNamespace(rank=0))  # the serve driver's name for it
+        assert frozen["frozen"] == gc.get_freeze_count() > loose["frozen"]
+    finally:
+        gc.unfreeze()
+
+
+def test_the_api_session_times_gc_collect_on_every_rank_through_collective_rpc():
+    import json
+    from types import SimpleNamespace
+
+    from sm12x_bundle.enginecheck import session
+
+    workers = [SimpleNamespace(rank=0), SimpleNamespace(rank=1)]
+    llm = SimpleNamespace(collective_rpc=lambda fn, args=(): [fn(w, *args) for w in workers])
+    cmd, reply = session.answer(llm, json.dumps({"cmd": "gc", "args": {}}))
+    assert cmd == "gc" and reply["ok"], reply
+    assert [(r["rank"], r["pid"]) for r in reply["ranks"]] == [(0, os.getpid()), (1, os.getpid())]
+
+
+class NoGpu:
+    """NVML's answer for a machine without a GPU: nothing in use."""
+
+    def used(self) -> int:
+        return 0
+
+
+def cycles_run(tmp_path: Path, *flags: str) -> tuple[Finding, str]:
+    """Scenario a through the fake session; its progress output beside it."""
+    import io
+
+    from sm12x_bundle.progress import Progress
+
+    tree, said = plan.Tree("pristine", tmp_path, (tmp_path,)), io.StringIO()
+    with procs.groups() as groups:
+        b = fake_bench(tmp_path, groups, *flags)
+        b.gpu, b.progress = NoGpu(), Progress(said)
+        return scenarios.cycles(b, tree), said.getvalue()
+
+
+def test_scenario_a_times_one_gc_collect_in_every_worker_after_the_cycles(tmp_path):
+    f, said = cycles_run(tmp_path)
+    assert f.outcome()[0] == "pass", f.outcome()
+    assert [(r["rank"], r["seconds"], r["frozen"]) for r in f.figures["gc_collect"]] == [(0, 0.45, 0)]
+    assert said.rindex("pristine-cycles: wake ") < said.index("pristine-cycles: gc ")  # after the cycles
+
+
+def test_a_gc_collect_that_cannot_be_timed_is_recorded_as_none_and_fails_nothing(tmp_path):
+    f, said = cycles_run(tmp_path, "--fail-on", "gc")
+    assert f.outcome()[0] == "pass", f.outcome()
+    assert "gc_collect" in f.figures and f.figures["gc_collect"] is None
+    assert "pristine-cycles: gc.collect() not timed: Exception: Call to gc method failed: injected" in said
+
+
 def rotation_run(tmp_path: Path, *flags: str) -> Finding:
     tree = plan.Tree("patched", tmp_path, (tmp_path,))
     with procs.groups() as groups:
@@ -663,6 +727,19 @@ def test_the_first_wakes_stages_are_read_from_every_rank_and_the_slowest_copy_ju
     figs = cycles_figures([0.51, 0.5, 0.5], [0.59] * 3, [rank, slow])
     assert figs["wake_copy_ratio"] == pytest.approx(WEIGHTS_13B / 53e9 / 0.6)
     assert "wake_copy_ratio" not in cycles_figures([0.51, 0.5, 0.5], [0.59] * 3)  # pristine keeps no record
+
+
+def test_scenario_as_table_shows_the_slowest_ranks_gc_collect_and_its_frozen_objects():
+    ranks = [{"rank": 0, "seconds": 0.44, "frozen": 0}, {"rank": 1, "seconds": 0.46, "frozen": 0}]
+    res = [report.ScenarioResult("a", "pristine", "pass", "ok", 9, {"gc_collect": ranks}),
+           report.ScenarioResult("a", "patched", "pass", "ok", 9,
+                                 {"gc_collect": [{"rank": 0, "seconds": 0.002, "frozen": 412_345}]})]
+    rows = table.scenario_block(compare_report(res), "a")
+    assert any(r.split() == ["a", "worker's", "gc.collect()", "0.46", "s", "(0", "frozen)", "0.002", "s",
+                             "(412,345", "frozen)"] for r in rows), rows
+    res = [report.ScenarioResult("a", label, "pass", "ok", 9, {"gc_collect": None}) for label in ("pristine", "patched")]
+    rows = table.scenario_block(compare_report(res), "a")
+    assert [r.split() for r in rows if "gc.collect()" in r] == [["a", "worker's", "gc.collect()", "-", "-"]]
 
 
 def test_rotation_figures_set_the_first_swap_against_the_steady_ones_and_the_ceilings():
@@ -844,6 +921,7 @@ def test_help_teaches_with_examples_and_exit_codes(capsys):
     out = capsys.readouterr().out
     assert "examples:" in out and "d1 failing-sleep" in out and "targets (judged on patched" in out
     assert "g  weight-changed" in out and "VLLM_CUMEM_SKIP_UNCHANGED=1" in out
+    assert "and one gc.collect() in every worker, timed" in " ".join(out.split())
     for code in (0, 2, 3, 4, 6, 7, 9, 11, 12):
         assert f"\n  {code:<4}" in out, code
 

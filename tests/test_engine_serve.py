@@ -24,6 +24,7 @@ from sm12x_bundle.enginecheck import (
     plan,
     procs,
     releases,
+    scenarios,
 )
 from sm12x_bundle.errors import ConfigError
 
@@ -163,6 +164,12 @@ def test_a_wake_that_restores_the_weights_from_before_the_change_fails_as_a_stal
     assert outcome == "fail" and f.figures["tokens_identical"] is False
     assert words == f"after the wake that follows the change: {changed.STALE}; after a second sleep and wake: {changed.STALE}"
     assert [s["skipped_bytes"] for s in f.figures["sleeps"]] == [0, 2 << 20, 2 << 20]
+
+
+def test_scenario_a_times_a_gc_collect_on_every_rank_over_collective_rpc(tmp_path):
+    f = on_fake_server(tmp_path, scenarios.cycles, "patched")
+    assert f.outcome()[0] == "pass", f.outcome()
+    assert [(r["rank"], r["frozen"]) for r in f.figures["gc_collect"]] == [(0, 400_000), (1, 400_000)]
 
 
 @pytest.mark.parametrize("given, tp, pp, eager, kept, left", [

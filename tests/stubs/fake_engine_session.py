@@ -19,6 +19,8 @@ only on a GPU. Behaviour is chosen by flags:
                            sleep's copied and skipped bytes (the first sleep copies the
                            1 GiB of weights, a later one skips them), the last wake's
                            stages, and a background fill that is done
+
+gc (one timed gc.collect() in every worker) answers one rank: 0.45 s, nothing frozen.
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ def record(cmd: str) -> None:
 def answer(cmd: str, args: dict, records: bool) -> dict:
     if cmd == "generate":
         return {"tokens": tokens(args["prompts"], args["max_tokens"])}
+    if cmd == "gc":  # one rank, its heap not frozen: pristine 0.21.0's worker after warm-up
+        return {"ranks": [{"rank": 0, "pid": os.getpid(), "seconds": 0.45, "frozen": 0}]}
     if cmd == "state":
         tags = {"weights": {"allocations": 4, "bytes": POOL, "asleep": 0, "backed_up_bytes": 0}}
         return {"tags": tags, "is_sleeping": False, **(RECORDS if records else {})}

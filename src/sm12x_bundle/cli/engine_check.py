@@ -38,7 +38,8 @@ scenarios (--scenario LETTER or NAME, repeatable; default all, --quick: a only):
   a  cycles         sleep(1)/wake cycles; tokens after each wake equal those before;
                     memory freed; first sleep, later sleeps and wakes against the ceilings;
                     the first wake's stages (map, copy back, map what was discarded), where
-                    the allocator records them (the patched one: last_wake_up_stages)
+                    the allocator records them (the patched one: last_wake_up_stages);
+                    and one gc.collect() in every worker, timed
   b  level2         sleep(2), wake, reload the weights (vLLM's reload_weights, else the
                     dummy loader again: it writes the same seeded values); tokens
   c  rotation       two engines on one GPU, B starts while A sleeps, --swaps swaps;

@@ -163,6 +163,17 @@ class Engine:
         reply = self.call("state")
         return reply if reply.get("ok") else {"error": reply.get("error")}
 
+    def gc_collect(self) -> list | None:
+        """Every rank's one timed gc.collect() (inject.gc_collect_time); None where the call
+        failed, said in the progress output: a measurement, never a reason to fail."""
+        reply = self.call("gc")
+        ranks = reply.get("ranks") if reply.get("ok") else None
+        if not isinstance(ranks, list):
+            self.bench.progress.say(f"engine-check: {self.name}: gc.collect() not timed: "
+                                    f"{reply.get('error') or 'the reply lists no ranks'}")
+            return None
+        return ranks
+
     def host_memory(self) -> dict:
         return hostmem.snapshot(self.child.pid)
 

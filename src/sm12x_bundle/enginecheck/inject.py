@@ -161,6 +161,20 @@ def worker_pid(worker) -> dict:
     return {"rank": int(getattr(worker, "rank", 0)), "pid": os.getpid()}
 
 
+def gc_collect_time(worker) -> dict:
+    """One full ``gc.collect()`` in this worker process, timed apart from everything else:
+    vLLM 0.21.0's ``CuMemAllocator.sleep`` ends with one, which walks every object the
+    worker's heap holds unless it was frozen (``gc.freeze``: the patched series freezes it
+    after warm-up); ``frozen`` says how many objects the collection skipped for that."""
+    import time
+
+    start = time.perf_counter()
+    gc.collect()
+    seconds = time.perf_counter() - start
+    return {"rank": int(getattr(worker, "rank", 0)), "pid": os.getpid(), "seconds": seconds,
+            "frozen": gc.get_freeze_count()}
+
+
 def reload_dummy_weights(worker) -> dict:
     """The engine's own dummy loader over the model again: the same seeded values."""
     from vllm.model_executor.model_loader import get_model_loader
@@ -205,5 +219,5 @@ def _current_config(config):
     return set_current_vllm_config(config)
 
 
-__all__ = ["allocator_state", "install_host_failure", "install_on_rank", "perturb_weights", "reload_dummy_weights",
+__all__ = ["allocator_state", "gc_collect_time", "install_host_failure", "install_on_rank", "perturb_weights", "reload_dummy_weights",
            "remove_host_failure", "worker_pid"]

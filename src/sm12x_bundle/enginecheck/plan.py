@@ -43,7 +43,8 @@ class Scenario:
 
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario("a", "cycles", "sleep/wake cycles", "single",
-             "three sleep(1)/wake cycles; tokens after each wake equal those before the first sleep"),
+             "three sleep(1)/wake cycles; tokens after each wake equal those before the first sleep; "
+             "and one gc.collect() in every worker, timed"),
     Scenario("b", "level2", "level 2", "single",
              "sleep(2), wake, reload the weights; tokens equal those before the sleep"),
     Scenario("c", "rotation", "rotation", "pair",

@@ -35,3 +35,7 @@ class Probe:
 
     def sm12x_pid(self) -> dict:
         return inject.worker_pid(self)
+
+    def sm12x_gc(self) -> dict:
+        """One gc.collect() in this worker, timed (scenario a)."""
+        return inject.gc_collect_time(self)

@@ -47,6 +47,7 @@ def cycles(bench: Bench, tree: Tree) -> Finding:
         for i in range(bench.sizes.cycles):
             one_cycle(bench, e, f, ref, i)
         fixed_cycles(bench, e, f, ref)
+        f.figures["gc_collect"] = e.gc_collect()
     speed_figures(bench.ceilings, f.figures)
     return f
 

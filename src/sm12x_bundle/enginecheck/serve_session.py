@@ -135,6 +135,10 @@ class ServeDriver:
         """A weight changed in place on every rank (scenario g)."""
         return {"ranks": self.server.rpc("sm12x_perturb", self.timeout, seed)}
 
+    def gc_time(self) -> dict:
+        """One gc.collect() in every worker, timed there (scenario a)."""
+        return {"ranks": self.server.rpc("sm12x_gc", self.timeout)}
+
     def leave(self) -> dict:
         return {}
 
@@ -149,7 +153,7 @@ def _the_rank(results: list, rank: int | None, key: str = "installed") -> dict:
 
 COMMANDS = {"generate": "generate", "sleep": "sleep", "wake": "wake", "inject": "inject", "uninject": "uninject",
             "reload": "reload", "reset": "reset", "state": "state", "kill_rank": "kill_rank", "perturb": "perturb",
-            "exit": "leave"}
+            "gc": "gc_time", "exit": "leave"}
 
 
 def serve_env() -> dict[str, str]:

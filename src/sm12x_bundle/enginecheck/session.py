@@ -83,13 +83,18 @@ def perturb(llm, seed: int = 1) -> dict:
     return {"ranks": llm.collective_rpc(inject.perturb_weights, args=(seed,))}
 
 
+def gc_time(llm) -> dict:
+    """One gc.collect() in every worker, timed there (scenario a)."""
+    return {"ranks": llm.collective_rpc(inject.gc_collect_time)}
+
+
 def leave(llm) -> dict:
     return {}
 
 
 HANDLERS = {"generate": generate, "sleep": sleep, "wake": wake, "inject": inject_fault, "uninject": uninject,
             "reload": reload, "reset": reset, "state": state, "kill_rank": kill_rank, "perturb": perturb,
-            "exit": leave}
+            "gc": gc_time, "exit": leave}
 
 
 def facts() -> dict:

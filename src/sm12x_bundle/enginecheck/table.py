@@ -157,6 +157,17 @@ def _fill(f: dict) -> str:
             f"{_s(max(r.get('seconds') or 0.0 for r in ranks))}, {states}" + (f", {dropped} dropped" if dropped else ""))
 
 
+def _gc(f: dict) -> str:
+    """The slowest rank's one gc.collect() and the objects frozen out of it (the patched
+    series freezes the worker's heap after warm-up; pristine 0.21.0 does not)."""
+    ranks = [r for r in f.get("gc_collect") or [] if isinstance(r, dict) and r.get("seconds") is not None]
+    if not ranks:
+        return "-"
+    slowest = max(ranks, key=lambda r: r["seconds"])
+    shown = f"{slowest['seconds']:.2f}" if slowest["seconds"] >= 0.1 else f"{slowest['seconds']:.3f}"
+    return f"{shown} s ({slowest.get('frozen', 0) or 0:,} frozen)"
+
+
 def _asleep_a(f: dict) -> str:
     return _host("host_both")({"host_both": (f.get("host_both") or {}).get("A")})
 
@@ -166,7 +177,8 @@ ROWS: dict[str, list[tuple[str, Callable[[ScenarioResult], str]]]] = {
           ("later sleeps", _f(_later)), ("wakes", _f(_wakes)), ("first wake's stages", _f(_wake_stages)),
           ("GPU memory freed", _f(_freed)),
           ("offloaded", _f(lambda f: _gib(f.get("offloaded_bytes")))),
-          ("engine core awake", _f(_host("host_awake"))), ("engine core asleep", _f(_host("host_asleep")))],
+          ("engine core awake", _f(_host("host_awake"))), ("engine core asleep", _f(_host("host_asleep"))),
+          ("a worker's gc.collect()", _f(_gc))],
     "b": [("tokens after reload", _f(_tokens)), ("sleep(2)", _f(lambda f: _s(f.get("sleep_s")))),
           ("GPU memory freed", _f(_freed)), ("wake", _f(lambda f: _s(f.get("wake_s")))),
           ("weights reloaded by", _f(lambda f: f"{f.get('reload') or '-'} ({_s(f.get('reload_s'))})"))],

@@ -75,6 +75,8 @@ class State:
                 out.append({"fired": self.injected.pop(rank, False), "rank": rank})
             elif method == "sm12x_pid":
                 out.append({"rank": rank, "pid": worker.pid})
+            elif method == "sm12x_gc":  # each rank's heap frozen after warm-up, as the patched series does
+                out.append({"rank": rank, "pid": worker.pid, "seconds": 0.002 + 0.001 * rank, "frozen": 400_000})
             else:
                 return None
         if method == "sm12x_perturb":
