@@ -376,6 +376,9 @@ def test_a_sleep_stops_the_fill_and_copies_what_it_did_not_finish(lane_tree, lan
     monkeypatch.setattr(module.time, "sleep", held)
     fill = filled(alloc, monkeypatch)
     assert resting.wait(10)
+    threading.Event().wait(0.02)
+    running = fill.figures()
+    assert running["state"] == "running" and running["seconds"] >= 0.02  # so far, while it runs
     assert cycle(alloc, fake) == weights(addrs)  # everything: the fill finished none
     assert fill.figures()["state"] == "stopped" and fill.filled_bytes == 0
     assert not fill.thread.is_alive()

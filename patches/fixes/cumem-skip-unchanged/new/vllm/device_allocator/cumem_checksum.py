@@ -118,9 +118,10 @@ def _env(name: str, default: str) -> str:
 
 def enabled() -> bool:
     # Off unless asked for. The kernel is fast enough to pay (12 GiB in 4.4 ms on an
-    # H200, against 0.23 s to copy them to the host), and a weight changed in place
+    # H200, against 0.23 s to copy them to the host), a weight changed in place
     # between wake and sleep reached the next wake's tokens in both lanes' engines at
-    # TP=1; it stays off until the skip has run at TP >= 2.
+    # TP=1, and 0.21.0's TP=2 servers rotated with it with identical tokens; it stays
+    # off until a weight changed in place has been seen to reach the tokens at TP >= 2.
     return _env("VLLM_CUMEM_SKIP_UNCHANGED", "0").strip().lower() in (
         "1", "true", "on")
 
@@ -502,14 +503,15 @@ class BackgroundFill:
         self.state = "not started"
         self.filled_bytes = 0
         self.dropped = 0  # allocations written while they were copied
-        self.seconds = 0.0
+        self.seconds = 0.0  # since start(): while it runs, so far
+        self.started = 0.0
 
     def start(self, allocations: list[tuple[int, object]], fillable,
               backup_for) -> None:
         """Fill ``allocations`` (address, AllocationData) in turn. ``fillable(ptr,
         data)`` says, under the lock, whether one is still allocated, awake and without
         a backup; ``backup_for(data)`` gives it its host memory, as sleep() does."""
-        self.state = "running"
+        self.state, self.started = "running", time.perf_counter()
         self.thread = threading.Thread(target=self._run, daemon=True,
                                        args=(allocations, fillable, backup_for),
                                        name="vllm-sm12x-backup-fill")
@@ -521,11 +523,12 @@ class BackgroundFill:
             self.thread.join()
 
     def figures(self) -> dict:
+        seconds = (time.perf_counter() - self.started if self.state == "running"
+                   else self.seconds)
         return {"state": self.state, "filled_bytes": self.filled_bytes,
-                "dropped": self.dropped, "seconds": self.seconds}
+                "dropped": self.dropped, "seconds": seconds}
 
     def _run(self, allocations, fillable, backup_for) -> None:
-        start = time.perf_counter()
         try:
             for ptr, data in allocations:
                 if self.stopping.is_set():
@@ -536,7 +539,7 @@ class BackgroundFill:
             self.state = "failed"
             logger.warning("cumem background fill failed; the first sleep copies "
                            "what it did not fill", exc_info=True)
-        self.seconds = time.perf_counter() - start
+        self.seconds = time.perf_counter() - self.started
 
     def _fill(self, ptr: int, data, fillable, backup_for) -> None:
         device, nbytes = data.handle[0], data.handle[1]
