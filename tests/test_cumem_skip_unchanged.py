@@ -308,12 +308,12 @@ def fill_module(alloc):
 
 
 def filled(alloc, monkeypatch, chunk: int = 1024):
-    """The fill started as the worker starts it, in CHUNK-byte copies, and waited for."""
+    """The fill started as the worker starts it, in CHUNK-byte copies (set before its thread
+    starts, so that every allocation is copied in pieces)."""
     monkeypatch.setattr(fill_module(alloc), "FILL_CHUNK", chunk)
     alloc.start_background_fill()
-    fill = alloc.background_fill
-    monkeypatch.setattr(fill, "chunk", chunk)
-    return fill
+    assert alloc.background_fill.chunk == chunk
+    return alloc.background_fill
 
 
 def test_the_background_fill_spares_the_first_sleep_every_copy(lane_tree, lane, fake, monkeypatch):

@@ -496,8 +496,12 @@ class BackgroundFill:
     the piece in flight, and the sleep copies whatever it did not finish."""
 
     def __init__(self, skip: SkipUnchanged, lock: threading.Lock,
-                 share: float = FILL_SHARE, chunk: int = FILL_CHUNK) -> None:
-        self.skip, self.lock, self.share, self.chunk = skip, lock, share, chunk
+                 share: float | None = None, chunk: int | None = None) -> None:
+        self.skip, self.lock = skip, lock
+        # The pace as the module says it when the fill is made (not when this
+        # module was imported).
+        self.share = FILL_SHARE if share is None else share
+        self.chunk = FILL_CHUNK if chunk is None else chunk
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
         self.state = "not started"
