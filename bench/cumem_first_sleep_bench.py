@@ -48,6 +48,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 if str(SRC) not in sys.path:
     sys.path.insert(0, str(SRC))
 
+from sm12x_bundle.enginecheck.vmm import AccessDesc, Location, Prop  # noqa: E402  (the driver's structs)
+
 MiB, GiB = 1 << 20, 1 << 30
 PAGE = os.sysconf("SC_PAGE_SIZE")
 D2H, H2D = 2, 1  # cudaMemcpyKind
@@ -153,29 +155,11 @@ class Cuda:
         self.check(self.rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")
 
 
-class _Loc(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class _Flags(ctypes.Structure):
-    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
-                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
-
-
-class _Prop(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", _Loc),
-                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", _Flags)]
-
-
-class _Access(ctypes.Structure):
-    _fields_ = [("location", _Loc), ("flags", ctypes.c_int)]
-
-
 def fresh_map(cuda: Cuda, sizes: list[int]) -> list[tuple[int, int, int]]:
     """cuMemCreate + reserve + map + set access, per piece: what cumem's wake does."""
     d = cuda.drv
-    prop = _Prop(type=1, requestedHandleTypes=0, location=_Loc(1, cuda.dev))
-    access = _Access(location=_Loc(1, cuda.dev), flags=3)
+    prop = Prop(type=1, requestedHandleTypes=0, location=Location(1, cuda.dev))
+    access = AccessDesc(location=Location(1, cuda.dev), flags=3)
     out = []
     for n in sizes:
         h, va = ctypes.c_ulonglong(), ctypes.c_ulonglong()

@@ -33,10 +33,7 @@ another handle type would take it away. It changes nothing: it measures.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
-import os
-import re
 import sys
 import tempfile
 import time
@@ -50,123 +47,8 @@ if str(SRC) not in sys.path:
 from sm12x_bundle import native  # noqa: E402
 from sm12x_bundle.selftest import loader  # noqa: E402
 
-ENUMS = ("CU_MEM_ALLOCATION_TYPE_PINNED", "CU_MEM_LOCATION_TYPE_DEVICE", "CU_MEM_HANDLE_TYPE_NONE",
-         "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR", "CU_MEM_HANDLE_TYPE_FABRIC",
-         "CU_MEM_ACCESS_FLAGS_PROT_READWRITE",
-         "CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED",
-         "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED")
-
-
-class Location(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class AllocFlags(ctypes.Structure):
-    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
-                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
-
-
-class Prop(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", Location),
-                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", AllocFlags)]
-
-
-class AccessDesc(ctypes.Structure):
-    _fields_ = [("location", Location), ("flags", ctypes.c_int)]
-
-
-def cuda_enums(header: Path) -> dict[str, int]:
-    """The values of ENUMS as cuda.h defines them (NAME = value, in its enums)."""
-    text = header.read_text(errors="replace")
-    out = {}
-    for name in ENUMS:
-        m = re.search(rf"\b{name}\s*=\s*(0x[0-9a-fA-F]+|\d+)", text)
-        if not m:
-            raise SystemExit(f"cumem_map_bench: {name} not found in {header}")
-        out[name] = int(m.group(1), 0)
-    return out
-
-
-class Driver:
-    """The VMM calls of the driver API, checked; one device."""
-
-    def __init__(self, device: int, enums: dict[str, int]) -> None:
-        self.lib, self.e, self.device = ctypes.CDLL("libcuda.so.1"), enums, device
-        self.ctx = ctypes.c_void_p()
-        self.check(self.lib.cuCtxGetCurrent(ctypes.byref(self.ctx)), "cuCtxGetCurrent")
-        self.access = AccessDesc(Location(enums["CU_MEM_LOCATION_TYPE_DEVICE"], device),
-                                 enums["CU_MEM_ACCESS_FLAGS_PROT_READWRITE"])
-
-    @staticmethod
-    def check(rc: int, what: str) -> None:
-        if rc:
-            raise RuntimeError(f"{what} failed: CUresult {rc}")
-
-    def attribute(self, name: str) -> int:
-        value = ctypes.c_int()
-        rc = self.lib.cuDeviceGetAttribute(ctypes.byref(value), self.e[name], self.device)
-        return value.value if rc == 0 else 0
-
-    def prop(self, handle_type: str, rdma: bool) -> Prop:
-        p = Prop()
-        p.type = self.e["CU_MEM_ALLOCATION_TYPE_PINNED"]
-        p.location = Location(self.e["CU_MEM_LOCATION_TYPE_DEVICE"], self.device)
-        p.requestedHandleTypes = self.e[handle_type]
-        p.allocFlags.gpuDirectRDMACapable = int(rdma)
-        return p
-
-    def create(self, size: int, prop: Prop) -> tuple[int, int]:
-        """(CUresult, handle): the caller decides what a refusal means."""
-        handle = ctypes.c_ulonglong()
-        rc = self.lib.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(prop),
-                                  ctypes.c_ulonglong(0))
-        return rc, handle.value
-
-    def map(self, addr: int, size: int, handle: int) -> None:
-        self.check(self.lib.cuMemMap(ctypes.c_ulonglong(addr), ctypes.c_size_t(size), ctypes.c_size_t(0),
-                                     ctypes.c_ulonglong(handle), ctypes.c_ulonglong(0)), "cuMemMap")
-
-    def set_access(self, addr: int, size: int) -> None:
-        self.check(self.lib.cuMemSetAccess(ctypes.c_ulonglong(addr), ctypes.c_size_t(size),
-                                           ctypes.byref(self.access), ctypes.c_size_t(1)), "cuMemSetAccess")
-
-    def unmap_release(self, addr: int, size: int, handle: int) -> None:
-        self.check(self.lib.cuMemUnmap(ctypes.c_ulonglong(addr), ctypes.c_size_t(size)), "cuMemUnmap")
-        self.check(self.lib.cuMemRelease(ctypes.c_ulonglong(handle)), "cuMemRelease")
-
-    def in_thread(self) -> None:
-        self.check(self.lib.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def as_the_extension(drv: Driver, ranges, rdma: bool, fabric: bool) -> tuple[list[int], int]:
-    """cuMemCreate as create_and_map asks: fabric first where supported, POSIX FDs when
-    fabric is refused. Returns the handles and the number of refusals."""
-    handles, refused = [], 0
-    for _, size in ranges:
-        rc, h = drv.create(size, drv.prop("CU_MEM_HANDLE_TYPE_FABRIC" if fabric else
-                                          "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR", rdma))
-        if rc and fabric:
-            refused += 1
-            rc, h = drv.create(size, drv.prop("CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR", rdma))
-        drv.check(rc, "cuMemCreate")
-        handles.append(h)
-    return handles, refused
-
-
-def plain_create(drv: Driver, ranges) -> list[int]:
-    prop = drv.prop("CU_MEM_HANDLE_TYPE_NONE", False)
-    out = []
-    for _, size in ranges:
-        rc, h = drv.create(size, prop)
-        drv.check(rc, "cuMemCreate")
-        out.append(h)
-    return out
+from sm12x_bundle.enginecheck.vmm import (  # noqa: E402  (the probe sm12x_maps times the same calls)
+    Driver, VmmError, as_the_extension, call_times, cuda_enums, cuda_header, plain_create, timed)
 
 
 def one_rep(drv: Driver, cumem, datas, ranges, threads: list[int], rdma: bool, fabric: bool) -> dict:
@@ -183,7 +65,7 @@ def one_rep(drv: Driver, cumem, datas, ranges, threads: list[int], rdma: bool, f
     row["create as the extension does"] = timed(lambda: got.update(r=as_the_extension(drv, ranges, rdma, fabric)))
     handles, row["fabric refusals"] = got["r"]
     for (addr, size), h in zip(ranges, handles):
-        drv.check(drv.lib.cuMemRelease(ctypes.c_ulonglong(h)), "cuMemRelease")
+        drv.release(h)
     row["create, no handle type"] = timed(lambda: got.update(h=plain_create(drv, ranges)))
     handles = got["h"]
     row["map"] = timed(lambda: [drv.map(a, s, h) for (a, s), h in zip(ranges, handles)])
@@ -229,13 +111,21 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--json-out", type=Path)
     p.add_argument("--python-include", type=Path)
+    p.add_argument("--probe", action="store_true",
+                   help="time the engine check's probe (sm12x_maps: vmm.call_times, on fresh address "
+                        "ranges) in this bare process instead, with the same code an engine's worker runs")
     args = p.parse_args()
-    enums = cuda_enums(Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include/cuda.h")
+    try:
+        enums = cuda_enums(cuda_header())
+    except VmmError as exc:
+        raise SystemExit(f"cumem_map_bench: {exc}") from None
     work = Path(tempfile.mkdtemp(prefix="cumem-map-bench-"))
     ext = native.build_cumem_extension(args.tree.resolve(), work, python_include=args.python_include)
     cumem = loader.load(args.tree.resolve(), ext).cumem
     import torch
 
+    if args.probe:
+        return probe(args, torch)
     alloc = cumem.CuMemAllocator.get_instance()
     size = args.size_mib << 20
     with alloc.use_memory_pool("map-bench"):
@@ -258,6 +148,22 @@ def main() -> int:
             print(f"  {k:<30} {v}")
         else:
             print(f"  {k:<30} {v * 1e3:8.2f} ms  {v / args.count * 1e6:8.1f} us each")
+    if args.json_out:
+        args.json_out.write_text(json.dumps(result, indent=1, sort_keys=True))
+    return 0
+
+
+def probe(args, torch) -> int:
+    from vllm import cumem_allocator as ext  # the tree's extension, as the loader placed it
+
+    torch.zeros(1, device="cuda")  # the primary context, as an engine's worker has it
+    result = {"gpu": torch.cuda.get_device_name(),
+              **call_times(torch.cuda.current_device(), args.count, args.size_mib << 20, ext, args.reps)}
+    print(f"the probe's calls in a bare process, {args.count} x {args.size_mib} MiB on {result['gpu']}, "
+          f"best of {args.reps}:")
+    for k, v in result["best_s"].items():
+        print(f"  {k:<40} {v}" if k == "fabric refusals" else
+              f"  {k:<40} {v * 1e3:8.2f} ms  {v / args.count * 1e6:8.1f} us each")
     if args.json_out:
         args.json_out.write_text(json.dumps(result, indent=1, sort_keys=True))
     return 0

@@ -265,6 +265,28 @@ def test_failed_map_of_a_mapped_address_keeps_the_live_handle(extensions, fake_l
     assert got["wake_error"] is None and got["awake"] == got["after_failure"]
 
 
+@pytest.mark.native
+@pytest.mark.integration
+@VARIANTS
+def test_a_refused_fabric_handle_is_asked_for_once(extensions, fake_libcuda, lane, variant):
+    """Patch cumem-fabric-refused-once: each allocation (three made, each woken twice)
+    still gets a POSIX file descriptor handle; the refused fabric request is made once,
+    where the pinned extension makes it before every cuMemCreate."""
+    got = scenario(extensions, fake_libcuda, variant, "fabric_refused", lane)
+    assert got["errors"] == [] and got["counts"] == {"handles": 3, "mappings": 3, "reservations": 3}
+    fabric = {"pinned": 9, "patched": 1}[variant]
+    assert got["woken_twice"] == {"fabric": fabric, "posix_fd": 9, "other": 0}
+    assert got["made"] == {"fabric": {"pinned": 3, "patched": 1}[variant], "posix_fd": 3, "other": 0}
+
+
+@pytest.mark.native
+@pytest.mark.integration
+@VARIANTS
+def test_where_fabric_handles_are_granted_every_allocation_gets_one(extensions, fake_libcuda, lane, variant):
+    got = scenario(extensions, fake_libcuda, variant, "fabric_granted", lane)
+    assert got == {"creates": {"fabric": 6, "posix_fd": 0, "other": 0}, "errors": []}
+
+
 def test_extension_never_exits_the_process(lane_tree, lane):
     source = (lane_tree(lane, "patched") / native.SOURCE).read_text()
     assert not re.search(r"\b(?:std::)?(?:exit|_exit|abort|terminate)\s*\(", source)

@@ -330,6 +330,23 @@ def test_the_background_fill_spares_the_first_sleep_every_copy(lane_tree, lane, 
     assert cycle(alloc, fake) == [weights(addrs)[2]]
 
 
+def test_a_done_fill_lays_out_the_first_sleeps_checksum_and_that_sleep_uses_it(lane_tree, lane, fake, monkeypatch):
+    alloc = make_alloc(lane_tree, lane, fake, monkeypatch)
+    addrs = loaded(fake, alloc)
+    module = fill_module(alloc)
+    built = []
+    real = module._descriptors
+    monkeypatch.setattr(module, "_descriptors", lambda spans, b: built.append(len(spans)) or real(spans, b))
+    fill = filled(alloc, monkeypatch)
+    fill.thread.join()
+    assert fill.figures()["state"] == "done"
+    sleeps = [(p, alloc.pointer_to_data[p].handle[1]) for p in weights(addrs)]  # as sleep() passes them
+    assert alloc.skip_unchanged.checksum._layout[0] == (tuple(sleeps), module._device(0))
+    assert built == [len(sleeps)]  # laid out once, for all of them together
+    assert alloc.skip_unchanged.checksum.lay_out(sleeps, module._device(0)) is alloc.skip_unchanged.checksum._layout[1]
+    assert built == [len(sleeps)]  # what the first sleep asks for is there
+
+
 def test_a_weight_written_while_it_is_filled_is_dropped_and_copied_by_the_sleep(
         lane_tree, lane, fake, monkeypatch):
     alloc = make_alloc(lane_tree, lane, fake, monkeypatch)

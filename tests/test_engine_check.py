@@ -315,7 +315,7 @@ def test_the_install_is_never_written_through_a_link(patched_copy, wheel_root):
     assert not (wheel_root / "vllm" / "device_allocator" / "cumem_backup_pool.py").exists()
     [built] = natives
     assert built["built_on"] == "host" and "libcuda.so.1" in built["links"]
-    assert built["built_from"]["patches"] == ["cumem-error-code-reset"]
+    assert built["built_from"]["patches"] == ["cumem-error-code-reset", "cumem-fabric-refused-once"]
 
 
 @pytest.mark.integration
@@ -625,6 +625,34 @@ def test_the_api_session_times_gc_collect_on_every_rank_through_collective_rpc()
     assert [(r["rank"], r["pid"]) for r in reply["ranks"]] == [(0, os.getpid()), (1, os.getpid())]
 
 
+def test_the_api_session_times_the_map_calls_on_every_rank_and_the_probe_passes_its_arguments(monkeypatch):
+    import json
+    import sys
+    import types
+    from types import SimpleNamespace
+
+    from sm12x_bundle.enginecheck import probe, session, vmm
+
+    asked = []
+    monkeypatch.setattr(vmm, "call_times", lambda device, count, size, ext: asked.append((device, count, size, ext))
+                        or {"count": count, "size": size})
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=SimpleNamespace(current_device=lambda: 3)))
+    fake_ext = types.ModuleType("vllm.cumem_allocator")
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.cumem_allocator", fake_ext)
+    monkeypatch.setattr(sys.modules["vllm"], "cumem_allocator", fake_ext, raising=False)
+    workers = [SimpleNamespace(rank=0), SimpleNamespace(rank=1)]
+    llm = SimpleNamespace(collective_rpc=lambda fn, args=(): [fn(w, *args) for w in workers])
+    cmd, reply = session.answer(llm, json.dumps({"cmd": "maps", "args": {"count": 20, "size_mib": 4}}))
+    assert cmd == "maps" and reply["ok"], reply
+    assert [(r["rank"], r["count"], r["size"]) for r in reply["ranks"]] == [(0, 20, 4 << 20), (1, 20, 4 << 20)]
+    assert probe.Probe.sm12x_maps(SimpleNamespace(rank=1), "7", "2")["count"] == 7  # the serve driver's strings
+    assert asked[-1] == (3, 7, 2 << 20, fake_ext)
+    alone = session.map_times(llm, 5, 1, only_rank=1)["ranks"]
+    assert alone[0] == {"rank": 0, "pid": os.getpid(), "skipped": True} and alone[1]["count"] == 5
+    assert len(asked) == 4  # rank 0 timed nothing the last time
+
+
 class NoGpu:
     """NVML's answer for a machine without a GPU: nothing in use."""
 
@@ -675,12 +703,46 @@ def test_each_swap_records_what_its_sleep_copied_and_its_wakes_stages_and_bs_fil
                                      "copied_bytes": GiB}] for s in swaps)
     assert f.figures["b_fill_before_first_sleep"] == [{"filled_bytes": GiB, "seconds": 0.5, "state": "done",
                                                        "dropped": 0}]
+    assert f.figures["a_first_sleep_checksum_s"] == [0.004] and all(s["checksum_s"] == [0.004] for s in swaps)
+    assert f.figures["allocations"] == {"weights": [4]}  # the stand-in's one rank
+
+
+def test_after_the_swaps_each_engine_times_the_map_calls_in_its_own_workers(tmp_path):
+    import io
+
+    from sm12x_bundle.progress import Progress
+
+    tree, said = plan.Tree("patched", tmp_path, (tmp_path,)), io.StringIO()
+    with procs.groups() as groups:
+        b = fake_bench(tmp_path, groups, "--records", scenario="c")
+        b.progress = Progress(said)
+        f = rotation.rotation(b, tree)
+    assert f.outcome()[0] == "pass", f.outcome()
+    assert set(f.figures["map_calls"]) == {"A", "A rank 0 alone", "B", "B rank 0 alone"}
+    assert all(r[0]["best_s"]["extension create_and_map"] == 0.0146 for r in f.figures["map_calls"].values())
+    said = said.getvalue()
+    assert "engine-check: A rank 0 alone: rank 0: the extension's create_and_map 73 us per allocation (200 x 12 MiB)" in said
+
+
+def test_map_calls_an_engine_cannot_time_are_none_and_fail_nothing(tmp_path):
+    f = rotation_run(tmp_path)  # this stand-in answers maps with no ranks
+    assert f.outcome()[0] == "pass", f.outcome()
+    assert f.figures["map_calls"] == dict.fromkeys(("A", "A rank 0 alone", "B", "B rank 0 alone"))
+
+
+def test_the_allocation_counts_are_per_tag_and_rank_and_none_where_no_rank_says():
+    state = {"ranks": [{"tags": {"weights": {"allocations": 500}, "kv_cache": {"allocations": 123}}},
+                       {"tags": {"weights": {"allocations": 498}}}]}
+    assert rotation.allocation_counts(state) == {"kv_cache": [123, None], "weights": [500, 498]}
+    assert rotation.allocation_counts({"error": "the state call failed"}) is None
 
 
 def test_swaps_of_an_allocator_that_keeps_no_records_say_none(tmp_path):
     f = rotation_run(tmp_path)
     assert f.outcome()[0] == "pass", f.outcome()
-    assert {(s["copied_bytes"], s["skipped_bytes"], s["wake_stages"]) for s in f.figures["swaps"]} == {(None,) * 3}
+    assert {(s["copied_bytes"], s["skipped_bytes"], s["wake_stages"], s["checksum_s"])
+            for s in f.figures["swaps"]} == {(None,) * 4}
+    assert f.figures["a_first_sleep_checksum_s"] is None
     assert f.figures["b_fill_before_first_sleep"] is None
     rotation.rotation_figures(CEILINGS, f.figures)
     assert f.figures["wake_copy_ratios"] == []

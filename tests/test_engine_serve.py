@@ -172,6 +172,15 @@ def test_scenario_a_times_a_gc_collect_on_every_rank_over_collective_rpc(tmp_pat
     assert [(r["rank"], r["frozen"]) for r in f.figures["gc_collect"]] == [(0, 400_000), (1, 400_000)]
 
 
+def test_the_serve_session_times_the_map_calls_on_every_rank_over_collective_rpc(tmp_path):
+    with procs.groups() as groups:
+        child = start(groups, tmp_path, tp=2)
+        got = child.ask("maps", 30, count=50, size_mib=4, only_rank="")
+        assert got["ok"], got
+        assert [(r["rank"], r["count"], r["size"]) for r in got["ranks"]] == [(0, 50, 4 << 20), (1, 50, 4 << 20)]
+        assert child.ask("exit", 30)["ok"]
+
+
 @pytest.mark.parametrize("given, tp, pp, eager, kept, left", [
     (["--compilation-config", '{"cudagraph_mode":"FULL_AND_PIECEWISE"}'], 1, 1, False,
      ["--compilation-config", '{"cudagraph_mode":"FULL_AND_PIECEWISE"}'], []),

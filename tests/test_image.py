@@ -227,7 +227,7 @@ def test_a_native_patch_must_build_the_cumem_extension(tmp_path):
 def test_the_shipped_series_maps_into_the_image(series):
     paths = plan_files.installed_paths(series)
     assert paths["vllm/device_allocator/cumem.py"][0] == "cumem-stream-aware-free"
-    assert paths["vllm/cumem_allocator.abi3.so"] == ("cumem-error-code-reset",)
+    assert paths["vllm/cumem_allocator.abi3.so"] == ("cumem-error-code-reset", "cumem-fabric-refused-once")
     assert all(p.startswith("vllm/") for p in paths)
 
 

@@ -122,6 +122,7 @@ def test_the_shipped_fixes_keep_their_upstream_metadata_once():
     assert fixes == [
         "cumem-backup-pool",
         "cumem-error-code-reset",
+        "cumem-fabric-refused-once",
         "cumem-rank-transactions",
         "cumem-skip-unchanged",
         "cumem-stream-aware-free",

@@ -151,6 +151,32 @@ def wake_awake_allocation(h: Harness) -> dict:
             "asleep": asleep, "wake_error": wake_error, "awake": h.counts()}
 
 
+def _creates(h: Harness) -> dict[str, int]:
+    return {"fabric": h.cuda.stub_creates(0), "posix_fd": h.cuda.stub_creates(1), "other": h.cuda.stub_creates(2)}
+
+
+def fabric_refused(h: Harness) -> dict:
+    """A card that advertises fabric handles on a node that refuses them: three
+    allocations made, then put to sleep and woken (create_and_map) twice."""
+    h.cuda.stub_fabric(1, 1)
+    ptrs = [h.malloc() for _ in range(3)]
+    made = _creates(h)
+    errors = []
+    for _ in range(2):
+        errors += [h.call(h.ext.python_unmap_and_release, h.handles[p]) for p in ptrs]
+        errors += [h.call(h.ext.python_create_and_map, h.handles[p]) for p in ptrs]
+    return {"made": made, "woken_twice": _creates(h), "errors": [e for e in errors if e], "counts": h.counts()}
+
+
+def fabric_granted(h: Harness) -> dict:
+    """A node where fabric handles are granted: every allocation asks for one."""
+    h.cuda.stub_fabric(1, 0)
+    ptrs = [h.malloc() for _ in range(3)]
+    errors = [h.call(h.ext.python_unmap_and_release, h.handles[p]) for p in ptrs]
+    errors += [h.call(h.ext.python_create_and_map, h.handles[p]) for p in ptrs]
+    return {"creates": _creates(h), "errors": [e for e in errors if e]}
+
+
 def healthy_round_trip(h: Harness) -> dict:
     a = h.malloc()
     ha = h.handles[a]
@@ -167,6 +193,7 @@ def healthy_round_trip(h: Harness) -> dict:
 SCENARIOS = {f.__name__: f for f in (
     stale_after_free, stale_after_malloc, own_error, wake_map_fails,
     wake_set_access_fails, malloc_map_fails, wake_awake_allocation, healthy_round_trip,
+    fabric_refused, fabric_granted,
 )}
 
 if __name__ == "__main__":

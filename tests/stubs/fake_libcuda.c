@@ -45,6 +45,8 @@ static CUdeviceptr next_va = 0x100000000000ull;
 static fail_t fails[MAX_FAILS];
 static CUcontext current_ctx = NULL;
 static int primary_ctx;
+static int fabric_advertised, fabric_refused; /* stub_fabric */
+static int creates_fabric, creates_posix_fd, creates_other;
 
 /* ---- control -------------------------------------------------------------- */
 
@@ -60,6 +62,19 @@ int stub_fail_next(const char* fn, int code) {
     }
   }
   return -1;
+}
+
+/* The card advertises fabric handles; `refuse`: cuMemCreate refuses them
+ * (CUDA_ERROR_NOT_PERMITTED, as on a node without an IMEX channel). */
+void stub_fabric(int advertise, int refuse) {
+  fabric_advertised = advertise;
+  fabric_refused = refuse;
+}
+
+/* cuMemCreate calls so far by the handle type asked for (refused ones too):
+ * 0 fabric, 1 POSIX file descriptor, 2 any other. */
+int stub_creates(int kind) {
+  return kind == 0 ? creates_fabric : kind == 1 ? creates_posix_fd : creates_other;
 }
 
 int stub_live_handles(void) {
@@ -134,9 +149,9 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext* pctx, CUdevice dev) {
 
 CUresult cuDeviceGetAttribute(int* pi, CUdevice_attribute attrib, CUdevice dev) {
   INJECT("cuDeviceGetAttribute");
-  (void)attrib;
   (void)dev;
-  *pi = 0; /* no GPUDirect RDMA, no fabric handles */
+  /* no GPUDirect RDMA; fabric handles where stub_fabric says so */
+  *pi = attrib == CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED ? fabric_advertised : 0;
   return CUDA_SUCCESS;
 }
 
@@ -185,8 +200,15 @@ CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
 CUresult cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size,
                      const CUmemAllocationProp* prop, unsigned long long flags) {
   INJECT("cuMemCreate");
-  (void)prop;
   (void)flags;
+  if (prop->requestedHandleTypes == CU_MEM_HANDLE_TYPE_FABRIC) {
+    ++creates_fabric;
+    if (fabric_refused) return CUDA_ERROR_NOT_PERMITTED;
+  } else if (prop->requestedHandleTypes == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) {
+    ++creates_posix_fd;
+  } else {
+    ++creates_other;
+  }
   if (size == 0 || size % GRANULARITY) return CUDA_ERROR_INVALID_VALUE;
   if (next_handle >= MAX_OBJECTS) return CUDA_ERROR_OUT_OF_MEMORY;
   handle_live[next_handle] = 1;

@@ -164,12 +164,20 @@ class Engine:
         return reply if reply.get("ok") else {"error": reply.get("error")}
 
     def gc_collect(self) -> list | None:
-        """Every rank's one timed gc.collect() (inject.gc_collect_time); None where the call
-        failed, said in the progress output: a measurement, never a reason to fail."""
-        reply = self.call("gc")
+        """Every rank's one timed gc.collect() (inject.gc_collect_time)."""
+        return self.measured("gc", "gc.collect() not timed")
+
+    def map_calls(self, only_rank: int | str = "") -> list | None:
+        """Every rank's driver map calls on ranges of its own (inject.map_call_times)."""
+        return self.measured("maps", "the map calls not timed", only_rank=only_rank)
+
+    def measured(self, cmd: str, failed: str, **args) -> list | None:
+        """Every rank's reply to a measuring command; None where the call failed, said in
+        the progress output: a measurement, never a reason to fail."""
+        reply = self.call(cmd, **args)
         ranks = reply.get("ranks") if reply.get("ok") else None
         if not isinstance(ranks, list):
-            self.bench.progress.say(f"engine-check: {self.name}: gc.collect() not timed: "
+            self.bench.progress.say(f"engine-check: {self.name}: {failed}: "
                                     f"{reply.get('error') or 'the reply lists no ranks'}")
             return None
         return ranks

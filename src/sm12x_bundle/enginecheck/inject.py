@@ -175,6 +175,29 @@ def gc_collect_time(worker) -> dict:
             "frozen": gc.get_freeze_count()}
 
 
+def map_call_times(worker, count: int | str = 200, size_mib: int | str = 12, only_rank: int | str = "") -> dict:
+    """The calls a wake's maps make (vLLM's extension's ``create_and_map``, and each driver
+    call apart), timed in this worker over ``count`` fresh address ranges of ``size_mib``
+    MiB (vmm.call_times), so that they can be set beside the same calls in a bare process
+    (bench/cumem_map_bench.py). The memory is released and the ranges freed before it returns.
+    With ``only_rank`` set, the other ranks time nothing: that rank's calls run alone, where
+    a wake's run on every rank at once."""
+    import torch
+
+    from . import vmm
+
+    rank = int(getattr(worker, "rank", 0))
+    if str(only_rank) != "" and int(only_rank) != rank:
+        return {"rank": rank, "pid": os.getpid(), "skipped": True}
+
+    try:
+        from vllm import cumem_allocator as ext
+    except ImportError:  # no extension: the driver's calls alone
+        ext = None
+    times = vmm.call_times(torch.cuda.current_device(), int(count), int(size_mib) << 20, ext)
+    return {"rank": rank, "pid": os.getpid(), **times}
+
+
 def reload_dummy_weights(worker) -> dict:
     """The engine's own dummy loader over the model again: the same seeded values."""
     from vllm.model_executor.model_loader import get_model_loader

@@ -39,3 +39,7 @@ class Probe:
     def sm12x_gc(self) -> dict:
         """One gc.collect() in this worker, timed (scenario a)."""
         return inject.gc_collect_time(self)
+
+    def sm12x_maps(self, count: str = "200", size_mib: str = "12", only_rank: str = "") -> dict:
+        """The driver's map calls on ranges of this worker's own, timed (scenario c)."""
+        return inject.map_call_times(self, count, size_mib, only_rank)

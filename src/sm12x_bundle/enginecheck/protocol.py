@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 # What a session answers (session.py); the holder answers hold and exit.
 COMMANDS = ("generate", "sleep", "wake", "inject", "uninject", "reload", "reset", "state", "kill_rank", "perturb",
-            "gc", "hold", "exit")
+            "gc", "maps", "hold", "exit")
 ERROR_LIMIT = 600  # characters of an error kept in a reply
 
 

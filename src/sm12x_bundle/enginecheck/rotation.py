@@ -8,7 +8,9 @@ as the sessions timed vLLM's calls; the bytes it moves are what the sleeping eng
 offloaded (D2H) and what the waking one restores (H2D), set against the copy ceilings.
 After each swap (outside its timed calls) both allocators are asked what the sleep copied
 and skipped and what each stage of the wake took, and before the first swap what B's
-background fill had done; an allocator that keeps no such record gives None.
+background fill had done; an allocator that keeps no such record gives None. After the
+swaps each engine's workers time the driver's map calls on ranges of their own
+(``map_calls``), to set beside the wakes' maps.
 """
 
 from __future__ import annotations
@@ -29,13 +31,17 @@ def rotation(bench: Bench, tree: Tree) -> Finding:
         f.figures["engine"] = a.facts()
         refs = {"A": a.generate("A's first generate")}
         f.figures["a_first_sleep_s"] = a.must("sleep", "A's first sleep", level=1)["seconds"]
-        f.figures["a_moved_bytes"] = offloaded_bytes(a.state())
+        slept = a.state()
+        f.figures["a_moved_bytes"] = offloaded_bytes(slept)
+        f.figures["a_first_sleep_checksum_s"] = checksum_seconds(slept)
+        f.figures["allocations"] = allocation_counts(slept)
         with bench.engine(tree, "pair", f"{tree.label}-rotation-B") as b:
             refs["B"] = b.generate("B's first generate")
             f.figures["host_b_awake"] = b.host_memory()
             fills = per_rank(b.state(), "background_fill")
             f.figures["b_fill_before_first_sleep"] = fills if any(fills) else None
             swaps(bench, f, {"A": a, "B": b}, refs)
+            f.figures["map_calls"] = map_calls(bench, {"A": a, "B": b})
     rotation_figures(bench.ceilings, f.figures)
     return f
 
@@ -56,10 +62,47 @@ def swaps(bench: Bench, f: Finding, engines: dict[str, Engine], refs: dict[str, 
         awake, asleep = asleep, awake
 
 
+def map_calls(bench: Bench, engines: dict[str, Engine]) -> dict:
+    """Each engine's driver map calls on ranges of its own, after the swaps (outside them):
+    the same calls as a wake's maps, in the same processes, beside the wakes' own stages;
+    on every rank at once as a wake makes them, then on rank 0 alone."""
+    out = {}
+    for name, engine in engines.items():
+        out[name] = engine.map_calls()
+        out[f"{name} rank 0 alone"] = engine.map_calls(only_rank=0)
+    for name, ranks in out.items():
+        for r in ranks or []:
+            if r.get("skipped"):
+                continue
+            per = (r.get("best_s") or {}).get("extension create_and_map")
+            if per is not None:
+                bench.progress.say(f"engine-check: {name}: rank {r.get('rank')}: the extension's "
+                                   f"create_and_map {per / r['count'] * 1e6:.0f} us per allocation "
+                                   f"({r['count']} x {r['size'] >> 20} MiB)")
+    return out
+
+
 def what_moved(slept: dict, woke: dict) -> dict:
     """What the sleep copied and skipped (summed over ranks) and each rank's stages of the wake."""
     return {"copied_bytes": summed(slept, "last_sleep_copied_bytes"),
-            "skipped_bytes": summed(slept, "last_sleep_skipped_bytes"), "wake_stages": wake_stages(woke)}
+            "skipped_bytes": summed(slept, "last_sleep_skipped_bytes"),
+            "checksum_s": checksum_seconds(slept), "wake_stages": wake_stages(woke)}
+
+
+def allocation_counts(state: dict) -> dict[str, list] | None:
+    """How many allocations each tag holds on each rank (what a sleep unmaps and a wake maps),
+    so that a stage's seconds can be read per allocation; None where no rank says."""
+    tags = per_rank(state, "tags")
+    if not any(tags):
+        return None
+    names = sorted({name for t in tags if t for name in t})
+    return {name: [(t or {}).get(name, {}).get("allocations") for t in tags] for name in names}
+
+
+def checksum_seconds(slept: dict) -> list | None:
+    """Each rank's seconds for its last sleep's checksum; None where a rank keeps no such record."""
+    seconds = per_rank(slept, "last_sleep_checksum_s")
+    return seconds if seconds and all(s is not None for s in seconds) else None
 
 
 def one_swap(bench: Bench, awake: Engine, asleep: Engine, what: str) -> tuple[float, float]:

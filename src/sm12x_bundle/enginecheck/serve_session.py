@@ -139,6 +139,10 @@ class ServeDriver:
         """One gc.collect() in every worker, timed there (scenario a)."""
         return {"ranks": self.server.rpc("sm12x_gc", self.timeout)}
 
+    def map_times(self, count: int = 200, size_mib: int = 12, only_rank: int | str = "") -> dict:
+        """The driver's map calls on ranges of each worker's own, timed there (scenario c)."""
+        return {"ranks": self.server.rpc("sm12x_maps", self.timeout, count, size_mib, only_rank)}
+
     def leave(self) -> dict:
         return {}
 
@@ -153,7 +157,7 @@ def _the_rank(results: list, rank: int | None, key: str = "installed") -> dict:
 
 COMMANDS = {"generate": "generate", "sleep": "sleep", "wake": "wake", "inject": "inject", "uninject": "uninject",
             "reload": "reload", "reset": "reset", "state": "state", "kill_rank": "kill_rank", "perturb": "perturb",
-            "gc": "gc_time", "exit": "leave"}
+            "gc": "gc_time", "maps": "map_times", "exit": "leave"}
 
 
 def serve_env() -> dict[str, str]:

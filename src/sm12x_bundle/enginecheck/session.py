@@ -88,13 +88,18 @@ def gc_time(llm) -> dict:
     return {"ranks": llm.collective_rpc(inject.gc_collect_time)}
 
 
+def map_times(llm, count: int = 200, size_mib: int = 12, only_rank: int | str = "") -> dict:
+    """The driver's map calls on ranges of each worker's own, timed there (scenario c)."""
+    return {"ranks": llm.collective_rpc(inject.map_call_times, args=(count, size_mib, only_rank))}
+
+
 def leave(llm) -> dict:
     return {}
 
 
 HANDLERS = {"generate": generate, "sleep": sleep, "wake": wake, "inject": inject_fault, "uninject": uninject,
             "reload": reload, "reset": reset, "state": state, "kill_rank": kill_rank, "perturb": perturb,
-            "gc": gc_time, "exit": leave}
+            "gc": gc_time, "maps": map_times, "exit": leave}
 
 
 def facts() -> dict:

@@ -285,13 +285,22 @@ class Checksum:
                 total[h] += values.sum()
         return total % P
 
-    def _kernel_sums(self, spans: Sequence[tuple[int, int]],
-                     device: torch.device) -> torch.Tensor:
+    def lay_out(self, spans: Sequence[tuple[int, int]], device) -> list[torch.Tensor]:
+        """The kernel's per-block descriptors of ``spans`` on the host (pinned on a
+        GPU), built once and kept while the spans stay the same: the same
+        allocations, sleep after sleep. Building them for an engine's weights (a few
+        hundred thousand blocks) is most of a first sleep's checksum; the background
+        fill builds them once it is done (SkipUnchanged.prepare)."""
+        device = torch.device(device)
         key = (tuple(spans), device)
-        if self._layout[0] != key:  # the same allocations, sleep after sleep: kept
+        if self._layout[0] != key:
             host = _descriptors(spans, 4 * self.block)
             self._layout = (key, [_pinned(x, device) for x in host])
-        addrs, nbytes, index, ends = (_upload(x, device) for x in self._layout[1])
+        return self._layout[1]
+
+    def _kernel_sums(self, spans: Sequence[tuple[int, int]],
+                     device: torch.device) -> torch.Tensor:
+        addrs, nbytes, index, ends = (_upload(x, device) for x in self.lay_out(spans, device))
         k1, k2 = self._keys_on(device)
         nblocks = addrs.numel()
         out = torch.empty(HASHES, nblocks, dtype=torch.int64, device=device)
@@ -416,12 +425,9 @@ class SkipUnchanged:
         bytes on the GPU equal their backup. Call it once the devices are idle; the
         sums wait here for their kernels (one read back per device)."""
         start = time.perf_counter()
-        by_device: dict[int, list[tuple[int, object]]] = {}
-        for ptr, data in allocations:
-            by_device.setdefault(data.handle[0], []).append((ptr, data))
         same: set[int] = set()
         self.pending.clear()
-        for device, group in by_device.items():
+        for device, group in _by_device(allocations).items():
             sums = self._sums(device, [(p, d.handle[1]) for p, d in group])
             if sums is None:  # no checksum: this sleep copies them all, and
                 for ptr, _ in group:  # their backups get bytes no sum describes
@@ -435,6 +441,13 @@ class SkipUnchanged:
         self.checksum.release()  # the sleep that follows empties the cache
         self.last_checksum_s = time.perf_counter() - start
         return same
+
+    def prepare(self, allocations: Iterable[tuple[int, object]]) -> None:
+        """Lay out now the checksum that a sleep of ``allocations`` (address,
+        AllocationData, in the order sleep() passes them) takes, so that the first
+        sleep finds it laid out (Checksum.lay_out)."""
+        for device, group in _by_device(allocations).items():
+            self.checksum.lay_out([(p, d.handle[1]) for p, d in group], _device(device))
 
     def _sums(self, device: int,
               spans: list[tuple[int, int]]) -> list[list[int]] | None:
@@ -463,6 +476,13 @@ class SkipUnchanged:
     def forget(self, ptr: int) -> None:
         self.stored.pop(ptr, None)
         self.pending.pop(ptr, None)
+
+
+def _by_device(allocations: Iterable[tuple[int, object]]) -> dict[int, list[tuple[int, object]]]:
+    by_device: dict[int, list[tuple[int, object]]] = {}
+    for ptr, data in allocations:
+        by_device.setdefault(data.handle[0], []).append((ptr, data))
+    return by_device
 
 
 def fill_enabled() -> bool:
@@ -544,6 +564,19 @@ class BackgroundFill:
             logger.warning("cumem background fill failed; the first sleep copies "
                            "what it did not fill", exc_info=True)
         self.seconds = time.perf_counter() - self.started
+        if self.state == "done":
+            self._prepare_first_sleep(allocations)
+
+    def _prepare_first_sleep(self, allocations) -> None:
+        """The first sleep's checksum laid out, under the lock, for the allocations
+        the fill took, in their order: the sleep asks for the same layout while the
+        engine holds the same allocations (else it lays out its own)."""
+        try:
+            with self.lock:
+                self.skip.prepare(allocations)
+        except Exception:  # noqa: BLE001  (the sleep lays it out itself)
+            logger.warning("cumem background fill: could not lay out the first "
+                           "sleep's checksum", exc_info=True)
 
     def _fill(self, ptr: int, data, fillable, backup_for) -> None:
         device, nbytes = data.handle[0], data.handle[1]

@@ -75,6 +75,9 @@ class State:
                 out.append({"fired": self.injected.pop(rank, False), "rank": rank})
             elif method == "sm12x_pid":
                 out.append({"rank": rank, "pid": worker.pid})
+            elif method == "sm12x_maps":  # the string arguments, as collective_rpc passes them
+                out.append({"rank": rank, "pid": worker.pid, "count": int(args[0]), "size": int(args[1]) << 20,
+                            "best_s": {"extension create_and_map": 0.02}})
             elif method == "sm12x_gc":  # each rank's heap frozen after warm-up, as the patched series does
                 out.append({"rank": rank, "pid": worker.pid, "seconds": 0.002 + 0.001 * rank, "frozen": 400_000})
             else:
