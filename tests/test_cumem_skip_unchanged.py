@@ -298,6 +298,36 @@ def test_a_wake_records_each_stage_and_the_bytes_it_copied_back(lane_tree, lane,
     assert stages["copy_s"] >= 0.02 * restored
     assert stages["map_restored_s"] < stages["copy_s"] and stages["map_emptied_s"] < stages["copy_s"]
     assert set(stages) >= {"map_restored_s", "copy_s", "map_emptied_s", "copied_bytes"}
+    assert (stages["restored"], stages["emptied"]) == (restored, len(LAYOUT) - restored)
+
+
+@pytest.mark.parametrize("path", ["sleep", "prepare and commit"])
+def test_a_sleep_records_its_unmaps_and_what_it_ends_with(lane_tree, lane, fake, monkeypatch, path):
+    """last_sleep_stages: the checksum's seconds, the unmaps' (each made slower by a known
+    time here, so the split can be checked) with how many, and the collection and cache
+    release, on the one-rank sleep and on the cross-rank one."""
+    alloc = make_alloc(lane_tree, lane, fake, monkeypatch)
+    loaded(fake, alloc)
+    assert alloc.last_sleep_stages == {}  # no sleep yet
+    module = __import__("sys").modules[type(alloc).__module__]
+    real = module.unmap_and_release
+
+    def slow_unmap(handle):
+        import time
+        time.sleep(0.01)
+        return real(handle)
+
+    monkeypatch.setattr(module, "unmap_and_release", slow_unmap)
+    from types import SimpleNamespace
+    monkeypatch.setattr(module, "gc", SimpleNamespace(collect=lambda: __import__("time").sleep(0.03)))
+    if path == "sleep":
+        alloc.sleep(offload_tags=("weights",))
+    else:
+        alloc.commit_sleep(alloc.prepare_sleep(("weights",)))
+    stages = alloc.last_sleep_stages
+    assert stages["unmapped"] == len(LAYOUT) and stages["unmap_s"] >= 0.01 * len(LAYOUT)
+    assert stages["checksum_s"] == alloc.last_sleep_checksum_s
+    assert 0.03 <= stages["gc_and_empty_cache_s"] < stages["unmap_s"]  # the collection is timed
 
 
 # --- the background fill before the first sleep -------------------------------------------

@@ -577,8 +577,8 @@ def test_the_allocator_state_says_what_the_last_sleep_copied_where_the_allocator
 
     skip = SimpleNamespace(last_sleep_copied_bytes=5, last_sleep_skipped_bytes=7, last_sleep_checksum_s=0.1)
     assert inject._last_sleep(skip) == {"last_sleep_copied_bytes": 5, "last_sleep_skipped_bytes": 7,
-                                        "last_sleep_checksum_s": 0.1, "last_wake_up_stages": None,
-                                        "background_fill": None}
+                                        "last_sleep_checksum_s": 0.1, "last_sleep_stages": None,
+                                        "last_wake_up_stages": None, "background_fill": None}
     assert set(inject._last_sleep(SimpleNamespace()).values()) == {None}
 
 
@@ -705,6 +705,8 @@ def test_each_swap_records_what_its_sleep_copied_and_its_wakes_stages_and_bs_fil
                                                        "dropped": 0}]
     assert f.figures["a_first_sleep_checksum_s"] == [0.004] and all(s["checksum_s"] == [0.004] for s in swaps)
     assert f.figures["allocations"] == {"weights": [4]}  # the stand-in's one rank
+    assert all(s["sleep_stages"] == [{"checksum_s": 0.004, "unmap_s": 0.03, "unmapped": 4,
+                                      "gc_and_empty_cache_s": 0.001}] for s in swaps)
 
 
 def test_after_the_swaps_each_engine_times_the_map_calls_in_its_own_workers(tmp_path):
@@ -740,8 +742,8 @@ def test_the_allocation_counts_are_per_tag_and_rank_and_none_where_no_rank_says(
 def test_swaps_of_an_allocator_that_keeps_no_records_say_none(tmp_path):
     f = rotation_run(tmp_path)
     assert f.outcome()[0] == "pass", f.outcome()
-    assert {(s["copied_bytes"], s["skipped_bytes"], s["wake_stages"], s["checksum_s"])
-            for s in f.figures["swaps"]} == {(None,) * 4}
+    assert {(s["copied_bytes"], s["skipped_bytes"], s["wake_stages"], s["checksum_s"], s["sleep_stages"])
+            for s in f.figures["swaps"]} == {(None,) * 5}
     assert f.figures["a_first_sleep_checksum_s"] is None
     assert f.figures["b_fill_before_first_sleep"] is None
     rotation.rotation_figures(CEILINGS, f.figures)

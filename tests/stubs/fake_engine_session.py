@@ -70,7 +70,9 @@ def record(cmd: str) -> None:
     if cmd == "sleep":
         first = RECORDS["last_sleep_copied_bytes"] is None
         RECORDS.update(last_sleep_copied_bytes=POOL if first else 0, last_sleep_skipped_bytes=0 if first else POOL,
-                       last_sleep_checksum_s=0.004)
+                       last_sleep_checksum_s=0.004,
+                       last_sleep_stages={"checksum_s": 0.004, "unmap_s": 0.03, "unmapped": 4,
+                                          "gc_and_empty_cache_s": 0.001})
     if cmd == "wake":
         RECORDS["last_wake_up_stages"] = {"map_restored_s": 0.01, "copy_s": 0.02, "map_emptied_s": 0.01,
                                           "copied_bytes": POOL}

@@ -86,7 +86,15 @@ def what_moved(slept: dict, woke: dict) -> dict:
     """What the sleep copied and skipped (summed over ranks) and each rank's stages of the wake."""
     return {"copied_bytes": summed(slept, "last_sleep_copied_bytes"),
             "skipped_bytes": summed(slept, "last_sleep_skipped_bytes"),
-            "checksum_s": checksum_seconds(slept), "wake_stages": wake_stages(woke)}
+            "checksum_s": checksum_seconds(slept), "sleep_stages": sleep_stages(slept),
+            "wake_stages": wake_stages(woke)}
+
+
+def sleep_stages(slept: dict) -> list | None:
+    """Each rank's stages of its last sleep (checksum, unmaps and how many, the collection and
+    cache release: the patched allocator's ``last_sleep_stages``); None where a rank keeps none."""
+    stages = per_rank(slept, "last_sleep_stages")
+    return stages if stages and all(stages) else None
 
 
 def allocation_counts(state: dict) -> dict[str, list] | None:
