@@ -720,10 +720,35 @@ def test_after_the_swaps_each_engine_times_the_map_calls_in_its_own_workers(tmp_
         b.progress = Progress(said)
         f = rotation.rotation(b, tree)
     assert f.outcome()[0] == "pass", f.outcome()
-    assert set(f.figures["map_calls"]) == {"A", "A rank 0 alone", "B", "B rank 0 alone"}
+    assert set(f.figures["map_calls"]) == {"A", "B"}  # one rank: no second call for it alone
     assert all(r[0]["best_s"]["extension create_and_map"] == 0.0146 for r in f.figures["map_calls"].values())
     said = said.getvalue()
-    assert "engine-check: A rank 0 alone: rank 0: the extension's create_and_map 73 us per allocation (200 x 12 MiB)" in said
+    assert "engine-check: A: rank 0: the extension's create_and_map 73 us per allocation (200 x 12 MiB)" in said
+
+
+def test_with_several_ranks_the_map_calls_are_timed_on_every_rank_then_on_rank_0_alone():
+    from types import SimpleNamespace
+
+    def one(rank, us):
+        return {"rank": rank, "count": 200, "size": 12 << 20, "best_s": {"extension create_and_map": us * 2e-4}}
+
+    class TwoRanks:
+        def __init__(self):
+            self.asked = []
+
+        def map_calls(self, only_rank=""):
+            self.asked.append(only_rank)
+            if only_rank == "":
+                return [one(0, 300), one(1, 350)]
+            return [one(0, 220), {"rank": 1, "skipped": True}]
+
+    said = []
+    engines = {"A": TwoRanks(), "B": TwoRanks()}
+    out = rotation.map_calls(SimpleNamespace(progress=SimpleNamespace(say=said.append)), engines)
+    assert engines["A"].asked == ["", 0] and set(out) == {"A", "A rank 0 alone", "B", "B rank 0 alone"}
+    assert "engine-check: A rank 0 alone: rank 0: the extension's create_and_map 220 us per allocation " \
+           "(200 x 12 MiB)" in said
+    assert not any("rank 1" in line and "alone" in line for line in said)  # the skipped rank says nothing
 
 
 def test_map_calls_an_engine_cannot_time_are_none_and_fail_nothing(tmp_path):

@@ -65,11 +65,12 @@ def swaps(bench: Bench, f: Finding, engines: dict[str, Engine], refs: dict[str, 
 def map_calls(bench: Bench, engines: dict[str, Engine]) -> dict:
     """Each engine's driver map calls on ranges of its own, after the swaps (outside them):
     the same calls as a wake's maps, in the same processes, beside the wakes' own stages;
-    on every rank at once as a wake makes them, then on rank 0 alone."""
+    on every rank at once as a wake makes them, then (with several ranks) on rank 0 alone."""
     out = {}
     for name, engine in engines.items():
-        out[name] = engine.map_calls()
-        out[f"{name} rank 0 alone"] = engine.map_calls(only_rank=0)
+        out[name] = ranks = engine.map_calls()
+        if ranks is None or len(ranks) > 1:
+            out[f"{name} rank 0 alone"] = engine.map_calls(only_rank=0)
     for name, ranks in out.items():
         for r in ranks or []:
             if r.get("skipped"):
