@@ -561,7 +561,7 @@ def test_bundle_files_match_the_manifest_and_the_pinned_series(daemon, bundle, s
             original = pinned_source.root / rel
             assert f["pre_image_sha256"] == (sha(original.read_bytes()) if original.exists() else None)
         else:
-            assert data.startswith(b"\x7fELF") and f["patches"] == ["cumem-error-code-reset"]
+            assert data.startswith(b"\x7fELF") and f["patches"] == ["cumem-error-code-reset", "cumem-fabric-refused-once"]
 
 
 @pytest.mark.docker
