@@ -288,9 +288,9 @@ class Checksum:
     def lay_out(self, spans: Sequence[tuple[int, int]], device) -> list[torch.Tensor]:
         """The kernel's per-block descriptors of ``spans`` on the host (pinned on a
         GPU), built once and kept while the spans stay the same: the same
-        allocations, sleep after sleep. Building them for an engine's weights (a few
-        hundred thousand blocks) is most of a first sleep's checksum; the background
-        fill builds them once it is done (SkipUnchanged.prepare)."""
+        allocations, sleep after sleep. An engine's weights are a few hundred thousand
+        blocks (6 GiB: 393,216); the background fill builds them once it is done
+        (SkipUnchanged.prepare), so that the first sleep does not."""
         device = torch.device(device)
         key = (tuple(spans), device)
         if self._layout[0] != key:
