@@ -24,6 +24,13 @@ best of REPS, each timed on the host clock:
 - ``threads T``: create (no handle type), map and set access split over T host threads
   (ctypes releases the GIL), each with the primary context current.
 
+With ``--probe`` it runs the engine check's map probe instead (enginecheck/vmm.py), in
+this bare process: the same calls, the extension's create_and_map also while 8 GiB of
+host-to-device copies are queued (by the copy engine, then by a kernel reading the pinned
+memory), each copy kind's rate alone, and one set-access and one unmap call over
+back-to-back ranges against one for each. A map waits for the copies queued before it
+(docs/results.md).
+
 An engine's weights are hundreds of allocations: in engine runs a wake's maps cost about
 half a millisecond per allocation (docs/results.md), where 16 allocations of 512 MiB
 mapped in 4-11 ms. This bench says which call that time is in, and whether threads or
@@ -48,7 +55,7 @@ from sm12x_bundle import native  # noqa: E402
 from sm12x_bundle.selftest import loader  # noqa: E402
 
 from sm12x_bundle.enginecheck.vmm import (  # noqa: E402  (the probe sm12x_maps times the same calls)
-    Driver, VmmError, as_the_extension, call_times, cuda_enums, cuda_header, plain_create, timed)
+    Driver, QueuedCopies, VmmError, as_the_extension, call_times, cuda_enums, cuda_header, plain_create, timed)
 
 
 def one_rep(drv: Driver, cumem, datas, ranges, threads: list[int], rdma: bool, fabric: bool) -> dict:
@@ -157,13 +164,21 @@ def probe(args, torch) -> int:
     from vllm import cumem_allocator as ext  # the tree's extension, as the loader placed it
 
     torch.zeros(1, device="cuda")  # the primary context, as an engine's worker has it
-    result = {"gpu": torch.cuda.get_device_name(),
-              **call_times(torch.cuda.current_device(), args.count, args.size_mib << 20, ext, args.reps)}
+    device = torch.cuda.current_device()
+    copies = {by: QueuedCopies(torch, device, by=by) for by in QueuedCopies.BY}
+    rates = {by: c.gbps() for by, c in copies.items()}
+    result = {"gpu": torch.cuda.get_device_name(), "copy_gbps": rates,
+              **call_times(device, args.count, args.size_mib << 20, ext, args.reps,
+                           busy={f"copies by the {by}": c.start for by, c in copies.items()})}
+    print("host-to-device copies alone: " + ", ".join(f"by the {by} {r:.1f} GB/s" for by, r in rates.items()))
+    run = result["back_to_back_run"]
     print(f"the probe's calls in a bare process, {args.count} x {args.size_mib} MiB on {result['gpu']}, "
-          f"best of {args.reps}:")
+          f"best of {args.reps}; {run} of the ranges back to back, one call over them: "
+          f"{result.get('one_call_over_the_run_cuda_result')} (CUresult, 0: taken)")
     for k, v in result["best_s"].items():
-        print(f"  {k:<40} {v}" if k == "fabric refusals" else
-              f"  {k:<40} {v * 1e3:8.2f} ms  {v / args.count * 1e6:8.1f} us each")
+        each = run if "back-to-back" in k or "over the run" in k else args.count
+        print(f"  {k:<48} {v}" if k == "fabric refusals" else
+              f"  {k:<48} {v * 1e3:8.2f} ms  {v / each * 1e6:8.1f} us per range")
     if args.json_out:
         args.json_out.write_text(json.dumps(result, indent=1, sort_keys=True))
     return 0

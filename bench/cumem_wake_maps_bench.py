@@ -2,7 +2,8 @@
 """A tree's own wake with an engine's allocation layout, outside any engine: what each map costs.
 
     python bench/cumem_wake_maps_bench.py TREE [--weights 500x12] [--kv 123x25] [--reps 3]
-        [--other none,release,release-hog] [--json-out FILE] [--python-include DIR]
+        [--other none,release,release-hog] [--order as-is] [--json-out FILE]
+        [--python-include DIR]
 
 Needs a CUDA GPU. Loads TREE's own cumem.py against its extension (built alone), allocates
 the weights (COUNTxMIB allocations, tag ``weights``) and the KV cache (tag ``kv_cache``)
@@ -19,6 +20,18 @@ call timed on the host clock.
   written), then frees them just before the wake, as the other engine of a rotation does;
 - ``release-hog``: the same, with the rest of the card's free memory held by that process
   throughout, so that the wake can only have the pages the other process has just freed.
+
+``--order`` says in what order the wake maps and copies (a series' tree only; the maps'
+spread is the tree's own record):
+
+- ``as-is``: the tree's own wake (each allocation with a backup mapped, its copy queued at
+  once, then the discarded ones mapped);
+- ``groupN``: N allocations with a backup mapped, then their N copies queued, and so on;
+- ``maps-first``: every allocation with a backup mapped, then all their copies queued, then
+  the discarded ones mapped while those copies run.
+
+The driver's map calls wait for the copies queued before them: with ``group4`` the first
+map of each four waits for the four copies before it, the other three do not.
 
 In engines the wake's maps cost 0.4-0.5 ms per allocation (docs/results.md), against
 86 us per 32 MiB allocation for the same extension call in a bare process
@@ -48,6 +61,57 @@ from sm12x_bundle.selftest import loader  # noqa: E402
 
 MiB = 1 << 20
 OTHERS = ("none", "release", "release-hog")
+
+
+def order(text: str) -> str:
+    if text in ("as-is", "maps-first") or (text.startswith("group") and text[5:].isdigit() and int(text[5:]) > 0):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: expected as-is, maps-first or groupN (N at least 1), such as group4")
+
+
+def use_order(cumem, name: str) -> None:
+    """Make the tree's allocator wake in the order ``name`` (see --order)."""
+    if name == "as-is":
+        return
+    cls = cumem.CuMemAllocator
+    if not hasattr(cls, "_map_and_copy_back") or not hasattr(cumem, "CallTimes"):
+        raise SystemExit("cumem_wake_maps_bench: --order needs a tree with the series' wake "
+                         "(CuMemAllocator._map_and_copy_back and CallTimes)")
+    group = None if name == "maps-first" else int(name[5:])
+    cls._map_and_copy_back = lambda self, restored, emptied, woken: ordered_wake(
+        cumem, self, restored, emptied, woken, group)
+
+
+def ordered_wake(cumem, alloc, restored, emptied, woken, group) -> dict:
+    """The series' wake with its maps and queued copies in another order: ``group`` maps,
+    then their copies (None: every map of a backed-up allocation, then every copy)."""
+    import torch
+
+    maps = {"map_restored": cumem.CallTimes(), "map_emptied": cumem.CallTimes()}
+    pending, first_copy = [], None
+
+    def queue_copies():
+        nonlocal first_copy
+        for ptr, data in pending:
+            first_copy = first_copy or time.perf_counter()
+            alloc._wake_step("copy", ptr, data, woken, cumem._queue_copy_back)
+        pending.clear()
+
+    for stage, allocations in (("map_restored", restored), ("map_emptied", emptied)):
+        for ptr, data in allocations:
+            start = time.perf_counter()
+            alloc._wake_step("map", ptr, data, woken, cumem.create_and_map)
+            maps[stage].since(start)
+            if data.cpu_backup_tensor is not None:
+                pending.append((ptr, data))
+                if group is not None and len(pending) >= group:
+                    queue_copies()
+        queue_copies()
+    for device in {d.handle[0] for _, d in restored}:
+        torch.cuda.synchronize(device)
+    copy_s = time.perf_counter() - first_copy if first_copy else 0.0
+    return {**maps["map_restored"].record("map_restored"), **maps["map_emptied"].record("map_emptied"),
+            "copy_s": copy_s, "copied_bytes": sum(d.handle[1] for _, d in restored)}
 
 
 def layout(text: str) -> tuple[int, int]:
@@ -163,6 +227,8 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--other", default="none,release,release-hog",
                    help=f"comma-separated, of {', '.join(OTHERS)}")
+    p.add_argument("--order", type=order, default="as-is",
+                   help="the wake's order of maps and copies: as-is, groupN or maps-first")
     p.add_argument("--json-out", type=Path)
     p.add_argument("--python-include", type=Path)
     args = p.parse_args()
@@ -183,9 +249,10 @@ def main() -> int:
         cumem = loader.load(args.tree.resolve(), ext).cumem
         import torch
 
+        use_order(cumem, args.order)
         reps = run(args, cumem, modes[0])
         result = {"gpu": torch.cuda.get_device_name(), "weights": list(args.weights), "kv": list(args.kv),
-                  "skip_unchanged": os.environ.get("VLLM_CUMEM_SKIP_UNCHANGED", "0"),
+                  "skip_unchanged": os.environ.get("VLLM_CUMEM_SKIP_UNCHANGED", "0"), "order": args.order,
                   "modes": {modes[0]: reps}}
         print(f"{modes[0]}: " + "; ".join(
             f"wake {r['wake_s'] * 1e3:.1f} ms, {r['maps']} maps {r['map_total_s'] * 1e3:.1f} ms "

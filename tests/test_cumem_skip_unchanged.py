@@ -290,7 +290,7 @@ def test_a_wake_records_each_stage_and_the_bytes_it_copied_back(lane_tree, lane,
     copy = fake.cudaMemcpy
     monkeypatch.setattr(fake, "cudaMemcpy", timed("copy", copy))
     alloc.sleep(offload_tags=("weights",))
-    slow.update(copy=0.02)
+    slow.update(copy=0.02, map=0.004)
     alloc.wake_up()
     stages = alloc.last_wake_up_stages
     assert stages["copied_bytes"] == WEIGHTS
@@ -298,6 +298,10 @@ def test_a_wake_records_each_stage_and_the_bytes_it_copied_back(lane_tree, lane,
     assert stages["copy_s"] >= 0.02 * restored
     assert stages["map_restored_s"] < stages["copy_s"] and stages["map_emptied_s"] < stages["copy_s"]
     assert set(stages) >= {"map_restored_s", "copy_s", "map_emptied_s", "copied_bytes"}
+    for stage in ("map_restored", "map_emptied"):  # each map's spread: 10th, 50th, 90th percentile, max
+        spread = stages[f"{stage}_us"]
+        assert len(spread) == 4 and spread == sorted(spread) and spread[0] >= 4000
+        assert spread[-1] <= stages[f"{stage}_s"] * 1e6 + 1
     assert (stages["restored"], stages["emptied"]) == (restored, len(LAYOUT) - restored)
 
 
@@ -312,9 +316,12 @@ def test_a_sleep_records_its_unmaps_and_what_it_ends_with(lane_tree, lane, fake,
     module = __import__("sys").modules[type(alloc).__module__]
     real = module.unmap_and_release
 
-    def slow_unmap(handle):
+    calls = []
+
+    def slow_unmap(handle):  # the first unmap takes 0.05 s more, the others 0.01 s
         import time
-        time.sleep(0.01)
+        time.sleep(0.05 if not calls else 0.01)
+        calls.append(handle)
         return real(handle)
 
     monkeypatch.setattr(module, "unmap_and_release", slow_unmap)
@@ -328,6 +335,8 @@ def test_a_sleep_records_its_unmaps_and_what_it_ends_with(lane_tree, lane, fake,
     assert stages["unmapped"] == len(LAYOUT) and stages["unmap_s"] >= 0.01 * len(LAYOUT)
     assert stages["checksum_s"] == alloc.last_sleep_checksum_s
     assert 0.03 <= stages["gc_and_empty_cache_s"] < stages["unmap_s"]  # the collection is timed
+    p10, p50, p90, most = stages["unmap_us"]  # the one slow unmap is told from the rest
+    assert 10_000 <= p10 <= p50 < 50_000 <= most and p90 <= most
 
 
 # --- the background fill before the first sleep -------------------------------------------

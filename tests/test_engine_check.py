@@ -582,6 +582,15 @@ def test_the_allocator_state_says_what_the_last_sleep_copied_where_the_allocator
     assert set(inject._last_sleep(SimpleNamespace()).values()) == {None}
 
 
+def test_address_runs_count_the_back_to_back_ranges():
+    from sm12x_bundle.enginecheck.inject import address_runs
+
+    assert address_runs([]) == 0
+    assert address_runs([(0x3000, 0x1000), (0x1000, 0x1000), (0x2000, 0x1000)]) == 1  # in any order
+    assert address_runs([(0x1000, 0x1000), (0x2000, 0x800), (0x3000, 0x1000)]) == 2  # a gap after 0x2800
+    assert address_runs([(0x1000, 0x100), (0x9000, 0x100)]) == 2
+
+
 def test_the_allocator_state_reports_the_background_fill_where_the_allocator_has_one():
     from types import SimpleNamespace
 
@@ -633,10 +642,25 @@ def test_the_api_session_times_the_map_calls_on_every_rank_and_the_probe_passes_
 
     from sm12x_bundle.enginecheck import probe, session, vmm
 
-    asked = []
-    monkeypatch.setattr(vmm, "call_times", lambda device, count, size, ext: asked.append((device, count, size, ext))
-                        or {"count": count, "size": size})
-    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=SimpleNamespace(current_device=lambda: 3)))
+    asked, beside = [], []
+
+    class Copies:  # the copies the probe's maps run beside, by the copy engine and by a kernel
+        BY = ("copy engine", "kernel")
+
+        def __init__(self, torch, device, by):
+            self.by = by
+
+        def gbps(self):
+            return 50.0 if self.by == "kernel" else 55.0
+
+        def start(self):
+            return lambda: False
+
+    monkeypatch.setattr(vmm, "QueuedCopies", Copies)
+    monkeypatch.setattr(vmm, "call_times", lambda device, count, size, ext, busy=None: asked.append(
+        (device, count, size, ext)) or beside.append(sorted(busy)) or {"count": count, "size": size})
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=SimpleNamespace(
+        current_device=lambda: 3, empty_cache=lambda: None)))
     fake_ext = types.ModuleType("vllm.cumem_allocator")
     monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
     monkeypatch.setitem(sys.modules, "vllm.cumem_allocator", fake_ext)
@@ -646,6 +670,8 @@ def test_the_api_session_times_the_map_calls_on_every_rank_and_the_probe_passes_
     cmd, reply = session.answer(llm, json.dumps({"cmd": "maps", "args": {"count": 20, "size_mib": 4}}))
     assert cmd == "maps" and reply["ok"], reply
     assert [(r["rank"], r["count"], r["size"]) for r in reply["ranks"]] == [(0, 20, 4 << 20), (1, 20, 4 << 20)]
+    assert reply["ranks"][0]["copy_gbps"] == {"copy engine": 55.0, "kernel": 50.0}
+    assert beside[0] == ["copies by the copy engine", "copies by the kernel"]
     assert probe.Probe.sm12x_maps(SimpleNamespace(rank=1), "7", "2")["count"] == 7  # the serve driver's strings
     assert asked[-1] == (3, 7, 2 << 20, fake_ext)
     alone = session.map_times(llm, 5, 1, only_rank=1)["ranks"]
@@ -730,7 +756,9 @@ def test_with_several_ranks_the_map_calls_are_timed_on_every_rank_then_on_rank_0
     from types import SimpleNamespace
 
     def one(rank, us):
-        return {"rank": rank, "count": 200, "size": 12 << 20, "best_s": {"extension create_and_map": us * 2e-4}}
+        return {"rank": rank, "count": 200, "size": 12 << 20, "best_s": {
+            "extension create_and_map": us * 2e-4,
+            "extension create_and_map, copies by the copy engine running": 4 * us * 2e-4}}
 
     class TwoRanks:
         def __init__(self):
@@ -746,8 +774,8 @@ def test_with_several_ranks_the_map_calls_are_timed_on_every_rank_then_on_rank_0
     engines = {"A": TwoRanks(), "B": TwoRanks()}
     out = rotation.map_calls(SimpleNamespace(progress=SimpleNamespace(say=said.append)), engines)
     assert engines["A"].asked == ["", 0] and set(out) == {"A", "A rank 0 alone", "B", "B rank 0 alone"}
-    assert "engine-check: A rank 0 alone: rank 0: the extension's create_and_map 220 us per allocation " \
-           "(200 x 12 MiB)" in said
+    assert "engine-check: A rank 0 alone: rank 0: the extension's create_and_map 220 us per allocation, " \
+           "880 us with copies queued (200 x 12 MiB)" in said
     assert not any("rank 1" in line and "alone" in line for line in said)  # the skipped rank says nothing
 
 

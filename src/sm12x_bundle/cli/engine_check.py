@@ -47,7 +47,8 @@ scenarios (--scenario LETTER or NAME, repeatable; default all, --quick: a only):
                     where the allocator records them: what each sleep copied and
                     skipped and its checksum's time, the steady wakes' stages, B's
                     background fill before its first sleep; then every worker times
-                    the driver's map calls on ranges of its own (a measurement)
+                    the driver's map calls on ranges of its own, also with copies
+                    queued (a measurement)
   d1 failing-sleep  host memory for the backups runs out half-way through a sleep
                     (injected in the engine core); serve, sleep and wake again
   d2 held-wake      asleep; another process takes the GPU memory; the wake fails; it

@@ -98,8 +98,9 @@ def _public(fault: dict) -> dict:
 
 
 def allocator_state(worker) -> dict:
-    """The allocator by tag (allocations, bytes, asleep, backed up), its backup pool, the
-    device's memory and PyTorch's pinned host memory, as the engine core sees them."""
+    """The allocator by tag (allocations, bytes, asleep, backed up, runs of back-to-back
+    addresses), its backup pool, the device's memory and PyTorch's pinned host memory, as
+    the engine core sees them."""
     import torch
 
     cumem, alloc = _allocator()
@@ -116,9 +117,21 @@ def allocator_state(worker) -> dict:
             t["asleep"] += bool(asleep)
         if data.cpu_backup_tensor is not None:
             t["backed_up_bytes"] += data.handle[1]
+    for tag, t in tags.items():
+        t["address_runs"] = address_runs((ptr, d.handle[1]) for ptr, d in alloc.pointer_to_data.items() if d.tag == tag)
     free, total = torch.cuda.mem_get_info()
     return {"rank": int(getattr(worker, "rank", 0)), "pid": os.getpid(), "tags": tags, "free_bytes": free, "total_bytes": total, "backup_pool": _pool(alloc),
             "pinned": _pinned(torch), "cumem_py": cumem.__file__, "extension": cumem.lib_name, **_last_sleep(alloc)}
+
+
+def address_runs(ranges) -> int:
+    """How many runs of back-to-back address ranges (start, size) there are: the fewest calls
+    a driver call that takes one contiguous range could cover them with."""
+    runs, end = 0, None
+    for start, size in sorted(ranges):
+        runs += start != end
+        end = start + size
+    return runs
 
 
 def _last_sleep(alloc) -> dict:
@@ -179,8 +192,9 @@ def gc_collect_time(worker) -> dict:
 
 def map_call_times(worker, count: int | str = 200, size_mib: int | str = 12, only_rank: int | str = "") -> dict:
     """The calls a wake's maps make (vLLM's extension's ``create_and_map``, and each driver
-    call apart), timed in this worker over ``count`` fresh address ranges of ``size_mib``
-    MiB (vmm.call_times), so that they can be set beside the same calls in a bare process
+    call apart; the extension's also while 8 GiB of host-to-device copies run, as a wake's
+    maps run beside its copies, by the copy engine and by a kernel, with each one's rate), timed in this worker over ``count`` fresh address ranges of
+    ``size_mib`` MiB (vmm.call_times), so that they can be set beside the same calls in a bare process
     (bench/cumem_map_bench.py). The memory is released and the ranges freed before it returns.
     With ``only_rank`` set, the other ranks time nothing: that rank's calls run alone, where
     a wake's run on every rank at once."""
@@ -196,8 +210,16 @@ def map_call_times(worker, count: int | str = 200, size_mib: int | str = 12, onl
         from vllm import cumem_allocator as ext
     except ImportError:  # no extension: the driver's calls alone
         ext = None
-    times = vmm.call_times(torch.cuda.current_device(), int(count), int(size_mib) << 20, ext)
-    return {"rank": rank, "pid": os.getpid(), **times}
+    device = torch.cuda.current_device()
+    copies = {by: vmm.QueuedCopies(torch, device, by=by) for by in vmm.QueuedCopies.BY}  # 1 GiB a side each
+    try:
+        rates = {by: c.gbps() for by, c in copies.items()}
+        times = vmm.call_times(device, int(count), int(size_mib) << 20, ext,
+                               busy={f"copies by the {by}": c.start for by, c in copies.items()})
+    finally:
+        del copies
+        torch.cuda.empty_cache()
+    return {"rank": rank, "pid": os.getpid(), "copy_gbps": rates, **times}
 
 
 def reload_dummy_weights(worker) -> dict:

@@ -9,8 +9,8 @@ offloaded (D2H) and what the waking one restores (H2D), set against the copy cei
 After each swap (outside its timed calls) both allocators are asked what the sleep copied
 and skipped and what each stage of the wake took, and before the first swap what B's
 background fill had done; an allocator that keeps no such record gives None. After the
-swaps each engine's workers time the driver's map calls on ranges of their own
-(``map_calls``), to set beside the wakes' maps.
+swaps each engine's workers time the driver's map calls on ranges of their own, also with
+host-to-device copies queued (``map_calls``), to set beside the wakes' maps.
 """
 
 from __future__ import annotations
@@ -62,6 +62,9 @@ def swaps(bench: Bench, f: Finding, engines: dict[str, Engine], refs: dict[str, 
         awake, asleep = asleep, awake
 
 
+QUEUED = "extension create_and_map, copies by the copy engine running"  # vmm.call_times' row
+
+
 def map_calls(bench: Bench, engines: dict[str, Engine]) -> dict:
     """Each engine's driver map calls on ranges of its own, after the swaps (outside them):
     the same calls as a wake's maps, in the same processes, beside the wakes' own stages;
@@ -75,10 +78,12 @@ def map_calls(bench: Bench, engines: dict[str, Engine]) -> dict:
         for r in ranks or []:
             if r.get("skipped"):
                 continue
-            per = (r.get("best_s") or {}).get("extension create_and_map")
+            best = r.get("best_s") or {}
+            per, queued = best.get("extension create_and_map"), best.get(QUEUED)
             if per is not None:
+                beside = "" if queued is None else f", {queued / r['count'] * 1e6:.0f} us with copies queued"
                 bench.progress.say(f"engine-check: {name}: rank {r.get('rank')}: the extension's "
-                                   f"create_and_map {per / r['count'] * 1e6:.0f} us per allocation "
+                                   f"create_and_map {per / r['count'] * 1e6:.0f} us per allocation{beside} "
                                    f"({r['count']} x {r['size'] >> 20} MiB)")
     return out
 

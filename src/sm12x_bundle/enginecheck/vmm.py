@@ -109,14 +109,23 @@ class Driver:
         self.check(self.lib.cuMemSetAccess(ctypes.c_ulonglong(addr), ctypes.c_size_t(size),
                                            ctypes.byref(self.access), ctypes.c_size_t(1)), "cuMemSetAccess")
 
+    def try_set_access(self, addr: int, size: int) -> int:
+        """cuMemSetAccess's CUresult: whether one call may cover a range is what is asked."""
+        return self.lib.cuMemSetAccess(ctypes.c_ulonglong(addr), ctypes.c_size_t(size), ctypes.byref(self.access),
+                                       ctypes.c_size_t(1))
+
+    def try_unmap(self, addr: int, size: int) -> int:
+        return self.lib.cuMemUnmap(ctypes.c_ulonglong(addr), ctypes.c_size_t(size))
+
     def unmap_release(self, addr: int, size: int, handle: int) -> None:
         self.check(self.lib.cuMemUnmap(ctypes.c_ulonglong(addr), ctypes.c_size_t(size)), "cuMemUnmap")
         self.release(handle)
 
-    def reserve(self, size: int) -> int:
+    def reserve(self, size: int, hint: int = 0) -> int:
+        """A fresh address range; ``hint``: where to place it if free (the driver may not)."""
         addr = ctypes.c_ulonglong()
         self.check(self.lib.cuMemAddressReserve(ctypes.byref(addr), ctypes.c_size_t(size), ctypes.c_size_t(0),
-                                                ctypes.c_ulonglong(0), ctypes.c_ulonglong(0)), "cuMemAddressReserve")
+                                                ctypes.c_ulonglong(hint), ctypes.c_ulonglong(0)), "cuMemAddressReserve")
         return addr.value
 
     def free_range(self, addr: int, size: int) -> None:
@@ -215,11 +224,15 @@ def driver_pass(drv: Driver, ranges, rdma: bool, fabric: bool) -> dict:
     return row
 
 
-def call_times(device: int, count: int, size: int, ext=None, reps: int = 3) -> dict:
+def call_times(device: int, count: int, size: int, ext=None, reps: int = 3, busy=None) -> dict:
     """The VMM calls over COUNT fresh ranges of SIZE bytes, best of REPS (seconds for all
     COUNT): the extension's create_and_map and unmap_and_release (when ``ext`` is given),
-    the same from a new thread, and each driver call apart; with the process's threads that
-    used a CPU during the extension's first pass, and how many threads it has."""
+    the same from a new thread and, for each of ``busy`` (name: a function that queues
+    copies and returns one that waits for them, QueuedCopies.start), while those copies
+    run, as a wake's maps do; each
+    driver call apart; and one set-access and one unmap call over back-to-back ranges
+    against one call for each (span_pass). With the process's threads that used a CPU
+    during the extension's first pass, and how many threads it has."""
     drv = Driver(device, cuda_enums(cuda_header()))
     size = -(-size // GRANULE) * GRANULE
     ranges = [(drv.reserve(size), size) for _ in range(count)]
@@ -237,13 +250,130 @@ def call_times(device: int, count: int, size: int, ext=None, reps: int = 3) -> d
                 if i == 0:
                     out["cpu_during_first_pass"] = busiest_threads(cpu, thread_cpu(), time.perf_counter() - start)
                 row["extension create_and_map, new thread"] = _in_new_thread(ext, drv, ranges)
+                for name, start in (busy or {}).items():
+                    wait = start()
+                    row[f"extension create_and_map, {name} running"] = extension_pass(ext, drv, ranges)[0]
+                    out.setdefault("copies_still_running_after_the_maps", {}).setdefault(name, []).append(wait())
             row.update(driver_pass(drv, ranges, rdma, fabric))
+            row.update(span_pass(drv, ranges, rdma, out))
             reps_done.append(row)
     finally:
         for addr, s in ranges:
             drv.free_range(addr, s)
     out["best_s"] = {k: min(r[k] for r in reps_done) for k in reps_done[0]}
     return out
+
+
+class _Span:
+    """Device memory at an address, for torch.as_tensor (the CUDA array interface, v2)."""
+
+    def __init__(self, addr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False), "version": 2}
+
+
+def back_to_back(ranges) -> list:
+    """The longest run of ranges each starting where the one before it ends."""
+    best, run = [], []
+    for r in sorted(ranges):
+        run = run + [r] if run and run[-1][0] + run[-1][1] == r[0] else [r]
+        best = run if len(run) > len(best) else best
+    return best
+
+
+def span_pass(drv: Driver, ranges, rdma: bool, out: dict) -> dict:
+    """Over the longest run of back-to-back ranges (each reserved apart, as the allocator
+    reserves each allocation's), mapped each to its own memory: cuMemSetAccess and cuMemUnmap
+    once for each range, then once for the whole run. Whether the driver takes one call
+    over ranges reserved apart is recorded in ``out`` (CUresults: 0 = it does)."""
+    run = back_to_back(ranges)
+    out["back_to_back_run"] = len(run)
+    if len(run) < 2:
+        return {}
+    start, size = run[0][0], run[-1][0] + run[-1][1] - run[0][0]
+    posix = drv.prop("CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR", rdma)
+
+    def mapped() -> list[int]:
+        handles = []
+        for addr, n in run:
+            rc, h = drv.create(n, posix)
+            drv.check(rc, "cuMemCreate")
+            drv.map(addr, n, h)
+            handles.append(h)
+        return handles
+
+    row: dict = {}
+    handles = mapped()
+    row["set access, a call for each back-to-back range"] = timed(lambda: [drv.set_access(a, n) for a, n in run])
+    row["unmap, a call for each back-to-back range"] = timed(lambda: [drv.check(drv.try_unmap(a, n), "cuMemUnmap")
+                                                                       for a, n in run])
+    for h in handles:
+        drv.release(h)
+    handles, rc = mapped(), {}
+    row["set access, one call over the run"] = timed(lambda: rc.update(access=drv.try_set_access(start, size)))
+    if rc["access"]:
+        for a, n in run:
+            drv.set_access(a, n)
+    row["unmap, one call over the run"] = timed(lambda: rc.update(unmap=drv.try_unmap(start, size)))
+    if rc["unmap"]:
+        for a, n in run:
+            drv.check(drv.try_unmap(a, n), "cuMemUnmap")
+    for h in handles:
+        drv.release(h)
+    out["one_call_over_the_run_cuda_result"] = {"set access": rc["access"], "unmap": rc["unmap"]}
+    return row
+
+
+class QueuedCopies:
+    """Host-to-device copies from pinned memory on a stream of their own, queued at once, as
+    a wake's copies run while it maps: by the copy engine (cudaMemcpyAsync, as the wake
+    copies) or by a kernel that reads the pinned memory through its device address (SMs
+    reading over the link; no copy engine). ``torch`` is passed in: this module imports only
+    the standard library."""
+
+    BY = ("copy engine", "kernel")
+
+    def __init__(self, torch, device: int, nbytes: int = 1 << 30, copies: int = 8, by: str = "copy engine") -> None:
+        if by not in self.BY:
+            raise ValueError(f"copies by {by!r}: one of {', '.join(self.BY)}")
+        self.torch, self.copies, self.by = torch, copies, by
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.stream = torch.cuda.Stream(device)
+        # Pinned host memory has the same address on the device (unified addressing).
+        self.host_on_device = torch.as_tensor(_Span(self.host.data_ptr(), nbytes),
+                                              device=self.dev.device).view(torch.int64)
+
+    def _copy_once(self) -> None:
+        if self.by == "copy engine":
+            self.dev.copy_(self.host, non_blocking=True)
+        else:  # an elementwise kernel: each thread loads 16 bytes of host memory
+            self.torch.bitwise_or(self.host_on_device, 0, out=self.dev.view(self.torch.int64))
+
+    def gbps(self) -> float:
+        """The copies' rate alone, in GB/s (10^9 bytes per second)."""
+        cuda = self.torch.cuda
+        begin, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
+        with cuda.stream(self.stream):
+            self._copy_once()  # warm
+            begin.record()
+            for _ in range(self.copies):
+                self._copy_once()
+            end.record()
+        end.synchronize()
+        return self.copies * self.dev.numel() / (begin.elapsed_time(end) * 1e-3) / 1e9
+
+    def start(self):
+        """Queue the copies; returns a function that waits for them and says whether they
+        were still running when it was called."""
+        with self.torch.cuda.stream(self.stream):
+            for _ in range(self.copies):
+                self._copy_once()
+
+        def wait() -> bool:
+            running = not self.stream.query()
+            self.stream.synchronize()
+            return running
+        return wait
 
 
 def _in_new_thread(ext, drv: Driver, ranges) -> float:

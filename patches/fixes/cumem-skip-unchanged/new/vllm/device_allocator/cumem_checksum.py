@@ -118,10 +118,10 @@ def _env(name: str, default: str) -> str:
 
 def enabled() -> bool:
     # Off unless asked for. The kernel is fast enough to pay (12 GiB in 4.4 ms on an
-    # H200, against 0.23 s to copy them to the host), a weight changed in place
+    # H200, against 0.23 s to copy them to the host), and a weight changed in place
     # between wake and sleep reached the next wake's tokens in both lanes' engines at
-    # TP=1, and 0.21.0's TP=2 servers rotated with it with identical tokens; it stays
-    # off until a weight changed in place has been seen to reach the tokens at TP >= 2.
+    # TP=1 and in 0.21.0's at TP=2. It stays off by default because, with it on, each
+    # engine keeps its backups in pinned host memory while it is awake too.
     return _env("VLLM_CUMEM_SKIP_UNCHANGED", "0").strip().lower() in (
         "1", "true", "on")
 
