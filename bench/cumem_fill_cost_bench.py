@@ -35,25 +35,15 @@ import time
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-if str(SRC) not in sys.path:
-    sys.path.insert(0, str(SRC))
+for _path in (SRC, Path(__file__).resolve().parent):  # the package; the wake bench's layout
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
+from cumem_wake_maps_bench import layout  # noqa: E402  (one COUNTxMIB reader for both benches)
 from sm12x_bundle import native  # noqa: E402
 from sm12x_bundle.selftest import loader  # noqa: E402
 
-MiB = 1 << 20
 WIDTH = 2048  # the matrices' inner size: the engine check's 12 GiB model's hidden size
-
-
-def layout(text: str) -> tuple[int, int]:
-    """'500x12' -> (500, 12 MiB in bytes)."""
-    try:
-        count, mib = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected COUNTxMIB, such as 500x12") from None
-    if count < 1 or mib < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: the count and the size must be at least 1")
-    return count, mib * MiB
 
 
 def shares(text: str) -> list[float]:

@@ -14,15 +14,19 @@ Needs a CUDA GPU, PyTorch and libcuda.so.1; reads the driver's enum values from 
   released. Each call timed apart.
 - ``hinted run, one handle``: COUNT ranges reserved apart, each asked for where the one
   before it ends; where all came back to back, one physical allocation mapped over all of
-  them in one call (whether the driver takes it is recorded), one set-access, one unmap.
-- ``one run, C MiB handles``: the COUNT ranges carved from one reservation, back to back,
-  with a physical allocation for every C MiB of them (0: one for all), each mapped over
-  its part of the run; one set-access and one unmap over the whole run.
+  them in one call (whether the driver takes it is recorded), one set-access, one unmap;
+  before that unmap, what a free of one of them would meet is recorded: the CUresults of
+  unmapping its range alone and of freeing its address range while the run maps it.
+- ``one run, C MiB handles`` (``one run, one handle`` for C = 0): the COUNT ranges carved
+  from one reservation, back to back, with a physical allocation for every C MiB of them
+  (0: one for all), each mapped over its part of the run; one set-access and one unmap
+  over the whole run.
 
-A physical allocation cannot be shared by ranges reserved apart: cuMemMap takes no offset
-into a physical allocation (CUDA's documentation: "currently must be zero"; an H200 with
-driver 580.159.04 answered 801, not supported, on 2026-11-28). Merging needs the
-allocations back to back in one reservation.
+One physical allocation cannot back ranges that lie apart: cuMemMap takes no offset into
+a physical allocation (CUDA's documentation: "currently must be zero"; on an H200 with
+driver 580.159.04, on 2026-11-28, this bench's first form, which tried it, got 801, not
+supported). Merging needs the allocations back to back in the address space: carved from
+one reservation, or reserved apart where each follows the last (the hinted run).
 
 After each way's maps, every range is written and read back through PyTorch (the CUDA
 array interface): a way that maps memory the GPU cannot use fails here, not later.
@@ -110,7 +114,7 @@ def hinted_run(torch, drv: Driver, count: int, size: int, rdma: bool, out: dict)
     patched allocator would give); where they all came back to back, one physical
     allocation mapped over all of them in one call. Records how many came back to back and
     the CUresult of that one map (0: the driver maps across ranges reserved apart)."""
-    ranges, end = [], 0
+    ranges, end, freed = [], 0, set()
     try:
         for _ in range(count):
             ranges.append((drv.reserve(size, hint=end), size))
@@ -130,12 +134,26 @@ def hinted_run(torch, drv: Driver, count: int, size: int, rdma: bool, out: dict)
             return {}
         row["set access"] = timed(lambda: drv.set_access(base, total))
         row["usable"] = usable(torch, ranges)
-        row["unmap"] = timed(lambda: unmap(drv, base, total))
+        freed.update(one_member_let_go(drv, ranges, out))
+        rest = total - (size if out["unmap_one_range_of_the_run_cuda_result"] == 0 else 0)
+        row["unmap"] = timed(lambda: unmap(drv, base, rest))
         row["release"] = timed(lambda: drv.release(got["h"]))
         return row
     finally:
         for a, s in ranges:
-            drv.free_range(a, s)
+            if a not in freed:
+                drv.free_range(a, s)
+
+
+def one_member_let_go(drv: Driver, ranges, out: dict) -> set:
+    """What a free of one allocation inside a run mapped as one would meet: the CUresults
+    of unmapping the last range alone, then of freeing its address range while the run
+    still maps it (0: taken). Returns the ranges whose address range was freed."""
+    addr, size = ranges[-1]
+    out["unmap_one_range_of_the_run_cuda_result"] = drv.try_unmap(addr, size)
+    rc = drv.lib.cuMemAddressFree(ctypes.c_ulonglong(addr), ctypes.c_size_t(size))
+    out["free_one_address_range_under_the_run_cuda_result"] = rc
+    return {addr} if rc == 0 else set()
 
 
 def best(reps: list[dict]) -> dict:
@@ -172,7 +190,7 @@ def main() -> int:
             if hinted:
                 ways.setdefault("hinted run, one handle", []).append(hinted)
             for c in args.chunk_mib:
-                ways.setdefault(f"one run, {c or 'one'} MiB handles", []).append(
+                ways.setdefault(f"one run, {c} MiB handles" if c else "one run, one handle", []).append(
                     one_run(torch, drv, args.count, size, rdma, c << 20))
     finally:
         for a, s in ranges:
@@ -181,7 +199,9 @@ def main() -> int:
               "best_s": {w: best(r) for w, r in ways.items()}, "reps": ways, **found}
     print(f"{args.count} ranges of {size >> 20} MiB on {result['gpu']}, best of {args.reps} (ms for all); "
           f"reserved with a hint, {found.get('hinted_back_to_back')} came back to back; one map over them: "
-          f"CUresult {found.get('hinted_one_map_cuda_result', 'not tried')}")
+          f"CUresult {found.get('hinted_one_map_cuda_result', 'not tried')}; one range of it unmapped alone: "
+          f"{found.get('unmap_one_range_of_the_run_cuda_result', 'not tried')}, its address range freed under "
+          f"the run: {found.get('free_one_address_range_under_the_run_cuda_result', 'not tried')}")
     for way, row in result["best_s"].items():
         calls = "  ".join(f"{k} {v * 1e3:.2f}" for k, v in row.items() if isinstance(v, float))
         wake = sum(row[k] for k in ("create", "map", "set access"))

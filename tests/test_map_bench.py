@@ -317,6 +317,10 @@ class _VaDriver(_Driver):
             def cuMemMap(addr, size, offset, handle, flags):
                 drv.map(addr.value, size.value, handle.value)
                 return 0
+
+            @staticmethod
+            def cuMemAddressFree(addr, size):
+                return 1  # refused while mapped: the bench frees it after the run's unmap
         return _Lib
 
 
@@ -339,6 +343,8 @@ def test_the_hinted_run_maps_once_only_where_the_ranges_came_back_to_back(monkey
     assert out["hinted_back_to_back"] == (4 if honours else 1)
     if honours:
         assert out["hinted_one_map_cuda_result"] == 0 and row["physical allocations"] == 1
+        assert out["free_one_address_range_under_the_run_cuda_result"] == 1
+        assert "unmap_one_range_of_the_run_cuda_result" in out
         assert len(seen) == 1 and len(seen[0]) == 4
     else:
         assert row == {} and "hinted_one_map_cuda_result" not in out and seen == []
