@@ -109,7 +109,7 @@ def one_run(torch, drv: Driver, count: int, size: int, rdma: bool, chunk: int) -
         drv.free_range(base, total)
 
 
-def hinted_run(torch, drv: Driver, count: int, size: int, rdma: bool, out: dict) -> dict:
+def hinted_run(torch, drv: Driver, count: int, size: int, rdma: bool, out: dict, alignment: int = 0) -> dict:
     """COUNT ranges reserved apart, each asked for where the one before it ends (the hint a
     patched allocator would give); where they all came back to back, one physical
     allocation mapped over all of them in one call. Records how many came back to back and
@@ -117,7 +117,7 @@ def hinted_run(torch, drv: Driver, count: int, size: int, rdma: bool, out: dict)
     ranges, end, freed = [], 0, set()
     try:
         for _ in range(count):
-            ranges.append((drv.reserve(size, hint=end), size))
+            ranges.append((drv.reserve(size, hint=end, alignment=alignment), size))
             end = ranges[-1][0] + size
         run = len(back_to_back(ranges))
         out["hinted_back_to_back"] = run
@@ -167,6 +167,8 @@ def main() -> int:
     p.add_argument("--size-mib", type=int, default=16, help="MiB each, rounded up to 2 MiB (default 16)")
     p.add_argument("--chunk-mib", type=int, nargs="*", default=[512, 0],
                    help="MiB of the run per physical allocation (0: one for all; default 512 0)")
+    p.add_argument("--alignment-mib", type=int, default=0,
+                   help="the hinted run's reservations ask for this alignment (default 0: the driver's own)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--json-out", type=Path)
     args = p.parse_args()
@@ -186,7 +188,7 @@ def main() -> int:
     try:
         for _ in range(args.reps):
             ways.setdefault("own", []).append(own(torch, drv, ranges, rdma))
-            hinted = hinted_run(torch, drv, args.count, size, rdma, found)
+            hinted = hinted_run(torch, drv, args.count, size, rdma, found, args.alignment_mib << 20)
             if hinted:
                 ways.setdefault("hinted run, one handle", []).append(hinted)
             for c in args.chunk_mib:
@@ -196,6 +198,7 @@ def main() -> int:
         for a, s in ranges:
             drv.free_range(a, s)
     result = {"gpu": torch.cuda.get_device_name(), "count": args.count, "size": size, "rdma_with_vmm": rdma,
+              "alignment_mib": args.alignment_mib,
               "best_s": {w: best(r) for w, r in ways.items()}, "reps": ways, **found}
     print(f"{args.count} ranges of {size >> 20} MiB on {result['gpu']}, best of {args.reps} (ms for all); "
           f"reserved with a hint, {found.get('hinted_back_to_back')} came back to back; one map over them: "

@@ -11,7 +11,9 @@ as a rank of an engine-check model does (0.21.0, TP=2, 12 GiB: about 500 weight 
 of 12 MiB and 123 KV-cache allocations of 25 MiB), then REPS times: sleep (the weights
 offloaded), wake, and the wake's own stage record (``last_wake_up_stages``: the maps of the
 restored and of the emptied allocations, the copies' span), with every ``create_and_map``
-call timed on the host clock.
+call timed on the host clock; each sleep is timed too, with its own record
+(``last_sleep_stages``: its unmaps, how many). The environment's switches apply
+(``VLLM_CUMEM_SKIP_UNCHANGED``, ``VLLM_CUMEM_MERGE_RUNS``: each is recorded).
 
 ``--other`` says what happens between the sleep and the wake:
 
@@ -169,7 +171,10 @@ def timed_calls(cumem) -> list[float]:
 def one_rep(alloc, calls: list[float], other, released: int) -> dict:
     import torch
 
+    start = time.perf_counter()
     alloc.sleep(offload_tags=("weights",))
+    sleep_s = time.perf_counter() - start
+    sleep_stages = dict(getattr(alloc, "last_sleep_stages", {}) or {})
     if other is not None:
         other.send(("take", released))
         other.recv()
@@ -181,7 +186,7 @@ def one_rep(alloc, calls: list[float], other, released: int) -> dict:
     torch.cuda.synchronize()
     wake_s = time.perf_counter() - start
     stages = dict(getattr(alloc, "last_wake_up_stages", {}) or {})
-    return {"wake_s": wake_s, "stages": stages, "maps": len(calls),
+    return {"sleep_s": sleep_s, "sleep_stages": sleep_stages, "wake_s": wake_s, "stages": stages, "maps": len(calls),
             "map_median_us": statistics.median(calls) * 1e6, "map_max_us": max(calls) * 1e6,
             "map_total_s": sum(calls)}
 
@@ -252,9 +257,12 @@ def main() -> int:
         use_order(cumem, args.order)
         reps = run(args, cumem, modes[0])
         result = {"gpu": torch.cuda.get_device_name(), "weights": list(args.weights), "kv": list(args.kv),
-                  "skip_unchanged": os.environ.get("VLLM_CUMEM_SKIP_UNCHANGED", "0"), "order": args.order,
+                  "skip_unchanged": os.environ.get("VLLM_CUMEM_SKIP_UNCHANGED", "0"),
+                  "merge_runs": os.environ.get("VLLM_CUMEM_MERGE_RUNS", "0"), "order": args.order,
                   "modes": {modes[0]: reps}}
         print(f"{modes[0]}: " + "; ".join(
+            f"sleep {r['sleep_s'] * 1e3:.1f} ms ({r['sleep_stages'].get('unmapped', '?')} unmaps "
+            f"{r['sleep_stages'].get('unmap_s', 0) * 1e3:.1f} ms), "
             f"wake {r['wake_s'] * 1e3:.1f} ms, {r['maps']} maps {r['map_total_s'] * 1e3:.1f} ms "
             f"(median {r['map_median_us']:.0f} us, max {r['map_max_us']:.0f} us), stages "
             + ", ".join(f"{k} {v:.4f}" for k, v in r["stages"].items() if k.endswith("_s"))

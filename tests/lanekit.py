@@ -39,3 +39,10 @@ def lane_tree(default_context, tmp_path_factory):
         return made[version, variant]
 
     return tree
+
+
+def native_fixes(version: str) -> list[str]:
+    """The ids of a lane's native patches, in series order: what its rebuilt cumem
+    extension is built from (one list, read from the shipped series)."""
+    series = load_series(REPO / "patches" / version / "series")
+    return [p.id for p in series.patches if p.kind == "native"]

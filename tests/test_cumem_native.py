@@ -173,11 +173,11 @@ def lane(request) -> str:
     return request.param
 
 
-def scenario(extensions, fake_libcuda, variant: str, name: str, lane: str) -> dict:
+def scenario(extensions, fake_libcuda, variant: str, name: str, lane: str, **env: str) -> dict:
     ext = extensions(lane, variant)
     proc = cmd.run(
         [sys.executable, STUBS / "cumem_scenarios.py", fake_libcuda / "libcuda.so.1", ext, name],
-        env={**os.environ, "LD_LIBRARY_PATH": str(fake_libcuda)},
+        env={**os.environ, "LD_LIBRARY_PATH": str(fake_libcuda), **env},
         echo=False,
     )
     return json.loads(proc.stdout)
@@ -285,6 +285,32 @@ def test_a_refused_fabric_handle_is_asked_for_once(extensions, fake_libcuda, lan
 def test_where_fabric_handles_are_granted_every_allocation_gets_one(extensions, fake_libcuda, lane, variant):
     got = scenario(extensions, fake_libcuda, variant, "fabric_granted", lane)
     assert got == {"creates": {"fabric": 6, "posix_fd": 0, "other": 0}, "errors": []}
+
+
+@pytest.mark.native
+@pytest.mark.integration
+@pytest.mark.parametrize("lane", ["0.21.0"])  # the lane that carries cumem-run-reservations
+def test_a_merged_run_maps_once_and_its_members_release_is_left_to_the_allocator(extensions, fake_libcuda, lane):
+    got = scenario(extensions, fake_libcuda, "patched", "merged_run", lane, VLLM_CUMEM_MERGE_RUNS="1")
+    assert got["back_to_back"] and got["sleep_errors"] == [] and got["map_error"] is None
+    region = {"reservations": 1}  # the ranges are carved from one region, reserved once
+    assert got["mapped"] == {"handles": 1, "mappings": 1, **region}
+    assert got["after_free"] == got["mapped"]  # the slot of 0: my_free left the run alone
+    assert got["unmap_error"] is None and got["free_range_error"] is None
+    assert got["released"] == {"handles": 0, "mappings": 0, **region}
+    assert got["freed"] == {"handles": 0, "mappings": 0, **region}
+
+
+@pytest.mark.native
+@pytest.mark.integration
+@pytest.mark.parametrize("lane", ["0.21.0"])
+def test_without_the_switch_each_range_is_reserved_apart(extensions, fake_libcuda, lane):
+    """VLLM_CUMEM_MERGE_RUNS unset: no region; the fake driver leaves a gap after each
+    range it picks, so nothing lies back to back and the counts are the pinned tree's."""
+    got = scenario(extensions, fake_libcuda, "patched", "merged_run", lane)
+    assert not got["back_to_back"]
+    assert scenario(extensions, fake_libcuda, "patched", "healthy_round_trip", lane)["freed"] == {
+        "handles": 0, "mappings": 0, "reservations": 0}
 
 
 def test_extension_never_exits_the_process(lane_tree, lane):

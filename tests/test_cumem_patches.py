@@ -237,6 +237,8 @@ def load_cumem(tree: Path, fake: FakeCuda, monkeypatch: pytest.MonkeyPatch, name
         init_module=fake.init_module,
         python_create_and_map=fake.python_create_and_map,
         python_unmap_and_release=fake.python_unmap_and_release,
+        # cumem-run-reservations' function, where the fake has it (None: an extension without it)
+        python_free_reserved=getattr(fake, "python_free_reserved", None),
     )
     module("vllm.distributed.device_communicators.cuda_wrapper", CudaRTLibrary=lambda: fake)
     if (tree / "vllm/device_allocator/cumem_checksum.py").is_file():

@@ -57,6 +57,7 @@ from tools.golden.engine_check import (
     cycles_figures,
     rotation_figures,
 )
+from lanekit import native_fixes  # noqa: E402
 
 STUBS = Path(__file__).parent / "stubs"
 FAKE_SESSION = (sys.executable, str(STUBS / "fake_engine_session.py"))
@@ -315,7 +316,7 @@ def test_the_install_is_never_written_through_a_link(patched_copy, wheel_root):
     assert not (wheel_root / "vllm" / "device_allocator" / "cumem_backup_pool.py").exists()
     [built] = natives
     assert built["built_on"] == "host" and "libcuda.so.1" in built["links"]
-    assert built["built_from"]["patches"] == ["cumem-error-code-reset", "cumem-fabric-refused-once"]
+    assert built["built_from"]["patches"] == native_fixes("0.21.0")
 
 
 @pytest.mark.integration

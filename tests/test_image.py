@@ -61,6 +61,7 @@ from sm12x_bundle.outputs.tree import patched_files
 from sm12x_bundle.plan import files as plan_files
 from sm12x_bundle.progress import Progress
 from sm12x_bundle.series.patch import load_series
+from lanekit import native_fixes  # noqa: E402
 
 
 def sha(data: bytes) -> str:
@@ -227,7 +228,7 @@ def test_a_native_patch_must_build_the_cumem_extension(tmp_path):
 def test_the_shipped_series_maps_into_the_image(series):
     paths = plan_files.installed_paths(series)
     assert paths["vllm/device_allocator/cumem.py"][0] == "cumem-stream-aware-free"
-    assert paths["vllm/cumem_allocator.abi3.so"] == ("cumem-error-code-reset", "cumem-fabric-refused-once")
+    assert paths["vllm/cumem_allocator.abi3.so"] == tuple(native_fixes("0.21.0"))
     assert all(p.startswith("vllm/") for p in paths)
 
 
@@ -561,7 +562,7 @@ def test_bundle_files_match_the_manifest_and_the_pinned_series(daemon, bundle, s
             original = pinned_source.root / rel
             assert f["pre_image_sha256"] == (sha(original.read_bytes()) if original.exists() else None)
         else:
-            assert data.startswith(b"\x7fELF") and f["patches"] == ["cumem-error-code-reset", "cumem-fabric-refused-once"]
+            assert data.startswith(b"\x7fELF") and f["patches"] == native_fixes("0.21.0")
 
 
 @pytest.mark.docker

@@ -299,7 +299,7 @@ class _VaDriver(_Driver):
         super().__init__(spans=True)
         self.honours, self.reserved, self.next = honours, {}, 0x10_0000
 
-    def reserve(self, size, hint=0):
+    def reserve(self, size, hint=0, alignment=0):
         addr = hint if self.honours and hint and hint not in self.reserved else self.next
         self.next = max(self.next, addr + size) + (0 if self.honours else 0x1000)
         self.reserved[addr] = size

@@ -746,3 +746,15 @@ def test_speed_holds_the_wake_to_the_fresh_memory_ceiling():
     assert speed_shortfalls({**met, "sleep_ratio": 0.85}, 0.9) == ["sleep below 90% of D2H"]
     assert speed_shortfalls({**met, "sleep_ratio": 0.85, "wake_fresh_ratio": 0.5}, 0.9) == [
         "sleep below 90% of D2H", "wake below 95% of fresh"]
+
+
+def test_the_rotation_peer_runs_as_a_module():
+    """Scenario 12 starts engine B with `python -m sm12x_bundle.selftest.engines`: the
+    module must run its peer (it lost its main guard once, and every rotation failed with
+    'peer exited')."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "sm12x_bundle.selftest.engines", "--help"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0 and "--sizes" in run.stdout

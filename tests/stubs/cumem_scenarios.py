@@ -39,6 +39,7 @@ class Harness:
         ]
         self.my_free.restype = None
         self.handles: dict[int, tuple[int, int, int, int]] = {}
+        self.released_by_allocator: set[int] = set()
         # The extension keeps borrowed references: hold the bound methods.
         self.callbacks = (self._malloc_callback, self._free_callback)
         self.ext.init_module(*self.callbacks)
@@ -47,7 +48,10 @@ class Harness:
         self.handles[handle[2]] = handle
 
     def _free_callback(self, ptr: int) -> tuple[int, int, int, int]:
-        return self.handles.pop(ptr)
+        handle = self.handles.pop(ptr)
+        if ptr in self.released_by_allocator:  # as cumem.py answers for a merged run's member
+            return (*handle[:3], 0)
+        return handle
 
     def fail_next(self, fn: str, code: int) -> None:
         assert self.cuda.stub_fail_next(fn.encode(), code) == 0
@@ -190,10 +194,37 @@ def healthy_round_trip(h: Harness) -> dict:
             "wake_error": wake_error, "awake": awake, "freed": h.counts()}
 
 
+def merged_run(h: Harness) -> dict:
+    """cumem-run-reservations, run with VLLM_CUMEM_MERGE_RUNS=1: three allocations, carved
+    back to back from one region, put to sleep, woken as one run (one map over their three
+    ranges); the middle one freed while the run is mapped, its release left to the
+    allocator (a slot of 0); the run unmapped; the middle range given back."""
+    ptrs = [h.malloc() for _ in range(3)]
+    size = h.handles[ptrs[0]][1]
+    out: dict = {"back_to_back": [b - a for a, b in zip(ptrs, ptrs[1:])] == [size, size]}
+    out["sleep_errors"] = [e for e in (h.call(h.ext.python_unmap_and_release, h.handles[p]) for p in ptrs) if e]
+    slot = ctypes.c_ulonglong(0)
+    run = (0, 3 * size, ptrs[0], ctypes.addressof(slot))
+    out["map_error"] = h.call(h.ext.python_create_and_map, run)
+    out["mapped"] = h.counts()
+    middle = h.handles[ptrs[1]]
+    h.released_by_allocator.add(ptrs[1])
+    h.free(ptrs[1])
+    out["after_free"] = h.counts()
+    out["unmap_error"] = h.call(h.ext.python_unmap_and_release, run)
+    out["free_range_error"] = h.call(h.ext.python_free_reserved, middle)
+    out["released"] = h.counts()
+    for p in (ptrs[0], ptrs[2]):  # the others, woken alone and freed as usual
+        h.call(h.ext.python_create_and_map, h.handles[p])
+        h.free(p)
+    out["freed"] = h.counts()
+    return out
+
+
 SCENARIOS = {f.__name__: f for f in (
     stale_after_free, stale_after_malloc, own_error, wake_map_fails,
     wake_set_access_fails, malloc_map_fails, wake_awake_allocation, healthy_round_trip,
-    fabric_refused, fabric_granted,
+    fabric_refused, fabric_granted, merged_run,
 )}
 
 if __name__ == "__main__":

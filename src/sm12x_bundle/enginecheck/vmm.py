@@ -121,10 +121,11 @@ class Driver:
         self.check(self.lib.cuMemUnmap(ctypes.c_ulonglong(addr), ctypes.c_size_t(size)), "cuMemUnmap")
         self.release(handle)
 
-    def reserve(self, size: int, hint: int = 0) -> int:
-        """A fresh address range; ``hint``: where to place it if free (the driver may not)."""
+    def reserve(self, size: int, hint: int = 0, alignment: int = 0) -> int:
+        """A fresh address range; ``hint``: where to place it if free (the driver may not);
+        ``alignment``: 0 for the driver's default."""
         addr = ctypes.c_ulonglong()
-        self.check(self.lib.cuMemAddressReserve(ctypes.byref(addr), ctypes.c_size_t(size), ctypes.c_size_t(0),
+        self.check(self.lib.cuMemAddressReserve(ctypes.byref(addr), ctypes.c_size_t(size), ctypes.c_size_t(alignment),
                                                 ctypes.c_ulonglong(hint), ctypes.c_ulonglong(0)), "cuMemAddressReserve")
         return addr.value
 

@@ -290,3 +290,7 @@ def peer_main(argv: list[str] | None = None) -> None:
             reply = {"error": f"{type(exc).__name__}: {exc}"}
         print(json.dumps(reply), file=replies, flush=True)
     os._exit(0)
+
+
+if __name__ == "__main__":  # the peer: Peer starts this module with python -m
+    peer_main()

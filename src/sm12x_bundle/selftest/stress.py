@@ -130,6 +130,17 @@ def fault_layout(total_bytes: int, seed: int) -> list[tuple[str, int]]:
     return layout
 
 
+def wake_maps(alloc) -> int:
+    """How many map calls the next wake of everything asleep makes: one per allocation,
+    or, where the tree merges back-to-back allocations (cumem-merged-runs), one per unit
+    its ``_mapping_units`` gives for what has a backup and for what has none."""
+    asleep = [(p, d) for p, d in alloc.pointer_to_data.items() if getattr(d, "asleep", True)]
+    units = getattr(alloc, "_mapping_units", None)
+    if units is None:
+        return len(asleep)
+    backed = [(p, d) for p, d in asleep if d.cpu_backup_tensor is not None]
+    return len(units(backed)) + len(units([(p, d) for p, d in asleep if d.cpu_backup_tensor is None]))
+
 class FaultStress:
     """The cycles of scenario 10 and what each checks."""
 
@@ -191,7 +202,7 @@ class FaultStress:
     def wake(self, cycle: int) -> None:
         rng = self.rng
         if rng.random() < 0.1 and "map" in self.inject:
-            asleep = len(self.alloc.pointer_to_data)
+            asleep = wake_maps(self.alloc)
             k = rng.randrange(1, asleep + 1)
             with failing_map(self.cumem, k):
                 try:

@@ -1,0 +1,260 @@
+"""cumem-merged-runs and cumem-run-reservations through the 0.21.0 lane's patched cumem.py.
+
+With VLLM_CUMEM_MERGE_RUNS=1 a wake maps each run of back-to-back allocations of one tag
+with one physical allocation, and the sleep unmaps it with one call. The tree's own
+cumem.py runs against :class:`RunsCuda`, test_cumem_patches' fake extension with what the
+real driver answered on an H200 (bench/cumem_shared_handle_bench.py, docs/results.md): one
+map may cover ranges reserved back to back; one range inside such a mapping can be neither
+unmapped nor freed alone. The extension's own side (ranges carved back to back from one
+region, my_free leaving a slot of 0 to the allocator, python_free_reserved) is built and
+run against the fake driver in tests/test_cumem_native.py.
+"""
+
+from __future__ import annotations
+
+import needs
+import pytest
+
+torch = needs.module("torch")
+
+from lanekit import lane_tree  # noqa: E402, F401
+from test_cumem_patches import FakeCuda, load_cumem  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+LANE = "0.21.0"  # the lane that carries the fix
+# Back to back: four weights, then three of the KV cache, then one more weight.
+LAYOUT = [("weights", 4096)] * 4 + [("kv_cache", 8192)] * 3 + [("weights", 4096)]
+
+
+class RunsCuda(FakeCuda):
+    """FakeCuda whose allocations lie back to back (``gap_after``: indexes followed by a
+    gap), whose map may cover several reservations in one call, and which refuses to
+    unmap or free one range of such a mapping alone, as the driver did."""
+
+    def __init__(self, gap_after: tuple[int, ...] = ()) -> None:
+        super().__init__()
+        self.gap_after = gap_after
+        self.reserved: dict[int, int] = {}  # base -> size, as my_malloc reserved them
+        self.spans: dict[int, list[int]] = {}  # a map over several reservations: its bases
+        self.freed_ranges: list[int] = []  # address ranges given back
+        self.unmaps: list[tuple[int, int]] = []  # (address, size) of each unmap call
+
+    def my_malloc(self, alloc, size: int, tag: str | None = None, device: int = 0) -> int:
+        d_mem = self._next
+        self.reserved[d_mem] = size
+        addr = super().my_malloc(alloc, size, tag, device)
+        gap = len(self.reserved) - 1 in self.gap_after
+        self._next = d_mem + size + (1 << 21 if gap else 0)  # back to back unless told
+        return addr
+
+    def _bases(self, d_mem: int, size: int) -> list[int]:
+        bases, at = [], d_mem
+        while at < d_mem + size and at in self.reserved:
+            bases.append(at)
+            at += self.reserved[at]
+        if at != d_mem + size:
+            raise RuntimeError("CUDA Error: invalid argument (not reserved)")
+        return bases
+
+    def python_create_and_map(self, device: int, size: int, d_mem: int, p_handle: int) -> None:
+        self.map_calls += 1
+        if self.map_calls == self.fail_map_at:
+            raise RuntimeError("CUDA Error: out of memory at cumem_allocator.cpp:137")
+        bases = self._bases(d_mem, size)
+        for base in bases:
+            self._map(base, self.reserved[base])
+        if len(bases) > 1:
+            self.spans[d_mem] = bases
+
+    def python_unmap_and_release(self, device: int, size: int, d_mem: int, p_handle: int) -> None:
+        self.unmap_calls += 1
+        if self.unmap_calls == self.fail_unmap_at:
+            raise RuntimeError("CUDA Error: invalid argument at cumem_allocator.cpp:240")
+        bases = self.spans.get(d_mem) or [d_mem]
+        if any(d_mem in span for b, span in self.spans.items() if b != d_mem) or d_mem not in self.memory:
+            raise RuntimeError("CUDA Error: invalid argument (one range of a mapping)")
+        if sum(self.reserved[b] for b in bases) != size:
+            raise RuntimeError("CUDA Error: invalid argument (not the mapping's size)")
+        self.spans.pop(d_mem, None)
+        for base in bases:
+            if base in self.queued.get(device, ()):
+                self.violations.append(base)
+            del self.memory[base]
+        self.unmaps.append((d_mem, size))
+        self.events.append(("unmap", d_mem))
+
+    def python_free_reserved(self, device: int, size: int, d_mem: int, p_handle: int) -> None:
+        if d_mem in self.memory:
+            raise RuntimeError("CUDA Error: invalid argument (still mapped)")
+        assert self.reserved.pop(d_mem) == size
+        self.freed_ranges.append(d_mem)
+
+    def my_free(self, alloc, ptr: int) -> None:
+        """my_free of the patched extension: a slot of 0 leaves the release to the allocator."""
+        handle = alloc.python_free_callback(ptr)
+        if handle[3] == 0:
+            return
+        self.python_unmap_and_release(*handle)
+        del self.reserved[ptr]
+        self.freed_ranges.append(ptr)
+
+
+@pytest.fixture(params=["1", "0"], ids=["merged", "off"])
+def merge(request, monkeypatch) -> bool:
+    monkeypatch.setenv("VLLM_CUMEM_MERGE_RUNS", request.param)
+    return request.param == "1"
+
+
+def make(lane_tree, monkeypatch, fake: RunsCuda):
+    mod = load_cumem(lane_tree(LANE, "patched"), fake, monkeypatch, "_cumem_merged_runs")
+    return mod, mod.CuMemAllocator()
+
+
+def allocated(fake: RunsCuda, alloc) -> tuple[list[int], dict[int, bytes]]:
+    addrs = [fake.my_malloc(alloc, size, tag) for tag, size in LAYOUT]
+    return addrs, {a: bytes(fake.memory[a]) for a in addrs}
+
+
+def weights_intact(fake: RunsCuda, addrs, data) -> bool:
+    return all(bytes(fake.memory[a]) == data[a] for (tag, _), a in zip(LAYOUT, addrs) if tag == "weights")
+
+
+def test_a_wake_maps_each_run_once_and_the_next_sleep_unmaps_it_once(lane_tree, monkeypatch, merge):
+    fake = RunsCuda()
+    _, alloc = make(lane_tree, monkeypatch, fake)
+    addrs, data = allocated(fake, alloc)
+    alloc.sleep(offload_tags=("weights",))
+    assert fake.unmap_calls == len(LAYOUT)  # the first sleep: what was mapped at load, one by one
+    fake.map_calls = fake.unmap_calls = 0
+    alloc.wake_up()
+    assert weights_intact(fake, addrs, data)
+    # merged: weights 0-3 as one run, the last weight alone, the KV cache as one run
+    assert fake.map_calls == (3 if merge else len(LAYOUT))
+    assert alloc.last_wake_up_stages["restored"] == 5 and alloc.last_wake_up_stages["emptied"] == 3
+    alloc.sleep(offload_tags=("weights",))
+    assert fake.unmap_calls == (3 if merge else len(LAYOUT))
+    assert alloc.last_sleep_stages["unmapped"] == fake.unmap_calls
+    assert fake.memory == {} and fake.violations == []
+    alloc.wake_up()
+    assert weights_intact(fake, addrs, data)
+
+
+def test_a_run_stops_at_a_gap_and_at_the_most_bytes_a_run_maps(lane_tree, monkeypatch):
+    monkeypatch.setenv("VLLM_CUMEM_MERGE_RUNS", "1")
+    fake = RunsCuda(gap_after=(1,))  # a gap after the second weight
+    mod, alloc = make(lane_tree, monkeypatch, fake)
+    monkeypatch.setattr(mod, "MERGE_BYTES", 2 * 8192)  # two KV allocations at the most
+    addrs, data = allocated(fake, alloc)
+    alloc.sleep(offload_tags=("weights",))
+    fake.map_calls = 0
+    alloc.wake_up()
+    # weights [0, 1] | [2, 3] | [7]; KV [4, 5] | [6]
+    assert fake.map_calls == 5
+    assert sorted(len(b) for b in fake.spans.values()) == [2, 2, 2]
+    assert weights_intact(fake, addrs, data)
+
+
+def test_the_switch_does_nothing_without_the_extensions_release(lane_tree, monkeypatch):
+    monkeypatch.setenv("VLLM_CUMEM_MERGE_RUNS", "1")
+    fake = RunsCuda()
+    monkeypatch.setattr(RunsCuda, "python_free_reserved", None)  # an extension without the fix
+    _, alloc = make(lane_tree, monkeypatch, fake)
+    assert alloc.merge_runs is False
+    allocated(fake, alloc)
+    alloc.sleep(offload_tags=("weights",))
+    fake.map_calls = 0
+    alloc.wake_up()
+    assert fake.map_calls == len(LAYOUT)
+
+
+def merged_and_awake(lane_tree, monkeypatch):
+    monkeypatch.setenv("VLLM_CUMEM_MERGE_RUNS", "1")
+    fake = RunsCuda()
+    _, alloc = make(lane_tree, monkeypatch, fake)
+    addrs, data = allocated(fake, alloc)
+    alloc.sleep(offload_tags=("weights",))
+    alloc.wake_up()
+    fake.map_calls = fake.unmap_calls = 0
+    fake.unmaps.clear()
+    return fake, alloc, addrs, data
+
+
+def test_a_member_freed_while_its_run_is_mapped_goes_with_the_run(lane_tree, monkeypatch):
+    fake, alloc, addrs, data = merged_and_awake(lane_tree, monkeypatch)
+    run = addrs[:4]
+    fake.my_free(alloc, run[1])
+    # its range can be neither unmapped nor freed alone: both wait for the run
+    assert fake.unmap_calls == 0 and fake.freed_ranges == [] and run[1] in fake.memory
+    assert run[1] not in alloc.pointer_to_data
+    for a in (run[0], run[2]):
+        fake.my_free(alloc, a)
+    assert fake.unmap_calls == 0
+    fake.my_free(alloc, run[3])  # the last member: the run is unmapped, every range given back
+    assert fake.unmaps == [(run[0], 4 * 4096)]
+    assert sorted(fake.freed_ranges) == sorted(run)
+    assert all(a not in fake.memory for a in run) and fake.violations == []
+    assert bytes(fake.memory[addrs[7]]) == data[addrs[7]]  # the weight mapped alone is untouched
+
+
+def test_a_sleep_after_a_member_was_freed_unmaps_the_run_and_gives_its_range_back(lane_tree, monkeypatch):
+    fake, alloc, addrs, data = merged_and_awake(lane_tree, monkeypatch)
+    fake.my_free(alloc, addrs[1])
+    alloc.sleep(offload_tags=("weights",))
+    assert (addrs[0], 4 * 4096) in fake.unmaps  # the run whole, its freed member's range too
+    assert fake.freed_ranges == [addrs[1]] and fake.memory == {}
+    fake.map_calls = 0
+    alloc.wake_up()
+    # the freed member is gone: weights [0] | [2, 3] | [7], KV [4, 5, 6]
+    assert fake.map_calls == 4 and addrs[1] not in fake.memory
+    left = [a for (tag, _), a in zip(LAYOUT, addrs) if tag == "weights" and a != addrs[1]]
+    assert all(bytes(fake.memory[a]) == data[a] for a in left)
+
+
+def test_a_failed_wake_unmaps_the_runs_it_mapped_and_can_be_retried(lane_tree, monkeypatch):
+    monkeypatch.setenv("VLLM_CUMEM_MERGE_RUNS", "1")
+    fake = RunsCuda()
+    _, alloc = make(lane_tree, monkeypatch, fake)
+    addrs, data = allocated(fake, alloc)
+    alloc.sleep(offload_tags=("weights",))
+    fake.map_calls, fake.fail_map_at = 0, 2  # the second map: the weight alone
+    with pytest.raises(RuntimeError, match=r"wake_up failed to map the allocation \(tag 'weights'"):
+        alloc.wake_up()
+    assert fake.memory == {} and fake.spans == {}
+    assert all(d.asleep and d.run is None for d in alloc.pointer_to_data.values())
+    fake.fail_map_at = None
+    alloc.wake_up()
+    assert weights_intact(fake, addrs, data)
+
+
+def test_a_sleep_that_fails_to_unmap_a_run_maps_back_what_it_unmapped(lane_tree, monkeypatch):
+    fake, alloc, addrs, data = merged_and_awake(lane_tree, monkeypatch)
+    fake.fail_unmap_at = 2  # the first run is unmapped, the weight alone is not
+    with pytest.raises(RuntimeError, match="sleep failed to unmap"):
+        alloc.sleep(offload_tags=("weights",))
+    assert all(not d.asleep for d in alloc.pointer_to_data.values())
+    assert weights_intact(fake, addrs, data)
+    fake.fail_unmap_at = None
+    alloc.sleep(offload_tags=("weights",))
+    alloc.wake_up()
+    assert weights_intact(fake, addrs, data)
+
+
+def test_a_sleep_across_ranks_unmaps_each_run_once(lane_tree, monkeypatch):
+    fake, alloc, addrs, data = merged_and_awake(lane_tree, monkeypatch)
+    prepared = alloc.prepare_sleep(offload_tags=("weights",))
+    assert fake.unmap_calls == 0
+    alloc.commit_sleep(prepared)
+    assert fake.unmap_calls == 3 and fake.memory == {}
+    alloc.wake_up()
+    assert weights_intact(fake, addrs, data)
+
+
+def test_a_run_that_cannot_be_unmapped_in_a_committed_sleep_stays_awake_whole(lane_tree, monkeypatch, caplog):
+    fake, alloc, addrs, data = merged_and_awake(lane_tree, monkeypatch)
+    prepared = alloc.prepare_sleep(offload_tags=("weights",))
+    fake.fail_unmap_at = 1  # the first run
+    alloc.commit_sleep(prepared)
+    assert "could not unmap the 4 allocations (tag 'weights'" in caplog.text
+    assert [alloc.pointer_to_data[a].asleep for a in addrs[:4]] == [False] * 4
+    assert all(bytes(fake.memory[a]) == data[a] for a in addrs[:4])
