@@ -1,4 +1,4 @@
-"""cumem-merged-runs and cumem-run-reservations through the 0.21.0 lane's patched cumem.py.
+"""cumem-merged-runs and cumem-run-reservations through each lane's patched cumem.py.
 
 With VLLM_CUMEM_MERGE_RUNS=1 a wake maps each run of back-to-back allocations of one tag
 with one physical allocation, and the sleep unmaps it with one call. The tree's own
@@ -17,12 +17,11 @@ import pytest
 
 torch = needs.module("torch")
 
-from lanekit import lane_tree  # noqa: E402, F401
-from test_cumem_patches import FakeCuda, load_cumem  # noqa: E402
+from lanekit import LANES, lane_tree  # noqa: E402, F401
+from test_cumem_patches import FakeCuda, is_asleep, load_cumem  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
-LANE = "0.21.0"  # the lane that carries the fix
 # Back to back: four weights, then three of the KV cache, then one more weight.
 LAYOUT = [("weights", 4096)] * 4 + [("kv_cache", 8192)] * 3 + [("weights", 4096)]
 
@@ -100,14 +99,19 @@ class RunsCuda(FakeCuda):
         self.freed_ranges.append(ptr)
 
 
+@pytest.fixture(params=LANES)
+def lane(request) -> str:
+    return request.param
+
+
 @pytest.fixture(params=["1", "0"], ids=["merged", "off"])
 def merge(request, monkeypatch) -> bool:
     monkeypatch.setenv("VLLM_CUMEM_MERGE_RUNS", request.param)
     return request.param == "1"
 
 
-def make(lane_tree, monkeypatch, fake: RunsCuda):
-    mod = load_cumem(lane_tree(LANE, "patched"), fake, monkeypatch, "_cumem_merged_runs")
+def make(lane_tree, lane, monkeypatch, fake: RunsCuda):
+    mod = load_cumem(lane_tree(lane, "patched"), fake, monkeypatch, "_cumem_merged_runs")
     return mod, mod.CuMemAllocator()
 
 
@@ -120,9 +124,9 @@ def weights_intact(fake: RunsCuda, addrs, data) -> bool:
     return all(bytes(fake.memory[a]) == data[a] for (tag, _), a in zip(LAYOUT, addrs) if tag == "weights")
 
 
-def test_a_wake_maps_each_run_once_and_the_next_sleep_unmaps_it_once(lane_tree, monkeypatch, merge):
+def test_a_wake_maps_each_run_once_and_the_next_sleep_unmaps_it_once(lane_tree, lane, monkeypatch, merge):
     fake = RunsCuda()
-    _, alloc = make(lane_tree, monkeypatch, fake)
+    _, alloc = make(lane_tree, lane, monkeypatch, fake)
     addrs, data = allocated(fake, alloc)
     alloc.sleep(offload_tags=("weights",))
     assert fake.unmap_calls == len(LAYOUT)  # the first sleep: what was mapped at load, one by one
@@ -140,10 +144,10 @@ def test_a_wake_maps_each_run_once_and_the_next_sleep_unmaps_it_once(lane_tree, 
     assert weights_intact(fake, addrs, data)
 
 
-def test_a_run_stops_at_a_gap_and_at_the_most_bytes_a_run_maps(lane_tree, monkeypatch):
+def test_a_run_stops_at_a_gap_and_at_the_most_bytes_a_run_maps(lane_tree, lane, monkeypatch):
     monkeypatch.setenv("VLLM_CUMEM_MERGE_RUNS", "1")
     fake = RunsCuda(gap_after=(1,))  # a gap after the second weight
-    mod, alloc = make(lane_tree, monkeypatch, fake)
+    mod, alloc = make(lane_tree, lane, monkeypatch, fake)
     monkeypatch.setattr(mod, "MERGE_BYTES", 2 * 8192)  # two KV allocations at the most
     addrs, data = allocated(fake, alloc)
     alloc.sleep(offload_tags=("weights",))
@@ -155,11 +159,11 @@ def test_a_run_stops_at_a_gap_and_at_the_most_bytes_a_run_maps(lane_tree, monkey
     assert weights_intact(fake, addrs, data)
 
 
-def test_the_switch_does_nothing_without_the_extensions_release(lane_tree, monkeypatch):
+def test_the_switch_does_nothing_without_the_extensions_release(lane_tree, lane, monkeypatch):
     monkeypatch.setenv("VLLM_CUMEM_MERGE_RUNS", "1")
     fake = RunsCuda()
     monkeypatch.setattr(RunsCuda, "python_free_reserved", None)  # an extension without the fix
-    _, alloc = make(lane_tree, monkeypatch, fake)
+    _, alloc = make(lane_tree, lane, monkeypatch, fake)
     assert alloc.merge_runs is False
     allocated(fake, alloc)
     alloc.sleep(offload_tags=("weights",))
@@ -168,10 +172,10 @@ def test_the_switch_does_nothing_without_the_extensions_release(lane_tree, monke
     assert fake.map_calls == len(LAYOUT)
 
 
-def merged_and_awake(lane_tree, monkeypatch):
+def merged_and_awake(lane_tree, lane, monkeypatch):
     monkeypatch.setenv("VLLM_CUMEM_MERGE_RUNS", "1")
     fake = RunsCuda()
-    _, alloc = make(lane_tree, monkeypatch, fake)
+    _, alloc = make(lane_tree, lane, monkeypatch, fake)
     addrs, data = allocated(fake, alloc)
     alloc.sleep(offload_tags=("weights",))
     alloc.wake_up()
@@ -180,8 +184,8 @@ def merged_and_awake(lane_tree, monkeypatch):
     return fake, alloc, addrs, data
 
 
-def test_a_member_freed_while_its_run_is_mapped_goes_with_the_run(lane_tree, monkeypatch):
-    fake, alloc, addrs, data = merged_and_awake(lane_tree, monkeypatch)
+def test_a_member_freed_while_its_run_is_mapped_goes_with_the_run(lane_tree, lane, monkeypatch):
+    fake, alloc, addrs, data = merged_and_awake(lane_tree, lane, monkeypatch)
     run = addrs[:4]
     fake.my_free(alloc, run[1])
     # its range can be neither unmapped nor freed alone: both wait for the run
@@ -197,8 +201,8 @@ def test_a_member_freed_while_its_run_is_mapped_goes_with_the_run(lane_tree, mon
     assert bytes(fake.memory[addrs[7]]) == data[addrs[7]]  # the weight mapped alone is untouched
 
 
-def test_a_sleep_after_a_member_was_freed_unmaps_the_run_and_gives_its_range_back(lane_tree, monkeypatch):
-    fake, alloc, addrs, data = merged_and_awake(lane_tree, monkeypatch)
+def test_a_sleep_after_a_member_was_freed_unmaps_the_run_and_gives_its_range_back(lane_tree, lane, monkeypatch):
+    fake, alloc, addrs, data = merged_and_awake(lane_tree, lane, monkeypatch)
     fake.my_free(alloc, addrs[1])
     alloc.sleep(offload_tags=("weights",))
     assert (addrs[0], 4 * 4096) in fake.unmaps  # the run whole, its freed member's range too
@@ -211,28 +215,28 @@ def test_a_sleep_after_a_member_was_freed_unmaps_the_run_and_gives_its_range_bac
     assert all(bytes(fake.memory[a]) == data[a] for a in left)
 
 
-def test_a_failed_wake_unmaps_the_runs_it_mapped_and_can_be_retried(lane_tree, monkeypatch):
+def test_a_failed_wake_unmaps_the_runs_it_mapped_and_can_be_retried(lane_tree, lane, monkeypatch):
     monkeypatch.setenv("VLLM_CUMEM_MERGE_RUNS", "1")
     fake = RunsCuda()
-    _, alloc = make(lane_tree, monkeypatch, fake)
+    _, alloc = make(lane_tree, lane, monkeypatch, fake)
     addrs, data = allocated(fake, alloc)
     alloc.sleep(offload_tags=("weights",))
     fake.map_calls, fake.fail_map_at = 0, 2  # the second map: the weight alone
     with pytest.raises(RuntimeError, match=r"wake_up failed to map the allocation \(tag 'weights'"):
         alloc.wake_up()
     assert fake.memory == {} and fake.spans == {}
-    assert all(d.asleep and d.run is None for d in alloc.pointer_to_data.values())
+    assert all(is_asleep(d) and d.run is None for d in alloc.pointer_to_data.values())
     fake.fail_map_at = None
     alloc.wake_up()
     assert weights_intact(fake, addrs, data)
 
 
-def test_a_sleep_that_fails_to_unmap_a_run_maps_back_what_it_unmapped(lane_tree, monkeypatch):
-    fake, alloc, addrs, data = merged_and_awake(lane_tree, monkeypatch)
+def test_a_sleep_that_fails_to_unmap_a_run_maps_back_what_it_unmapped(lane_tree, lane, monkeypatch):
+    fake, alloc, addrs, data = merged_and_awake(lane_tree, lane, monkeypatch)
     fake.fail_unmap_at = 2  # the first run is unmapped, the weight alone is not
     with pytest.raises(RuntimeError, match="sleep failed to unmap"):
         alloc.sleep(offload_tags=("weights",))
-    assert all(not d.asleep for d in alloc.pointer_to_data.values())
+    assert not any(is_asleep(d) for d in alloc.pointer_to_data.values())
     assert weights_intact(fake, addrs, data)
     fake.fail_unmap_at = None
     alloc.sleep(offload_tags=("weights",))
@@ -240,8 +244,8 @@ def test_a_sleep_that_fails_to_unmap_a_run_maps_back_what_it_unmapped(lane_tree,
     assert weights_intact(fake, addrs, data)
 
 
-def test_a_sleep_across_ranks_unmaps_each_run_once(lane_tree, monkeypatch):
-    fake, alloc, addrs, data = merged_and_awake(lane_tree, monkeypatch)
+def test_a_sleep_across_ranks_unmaps_each_run_once(lane_tree, lane, monkeypatch):
+    fake, alloc, addrs, data = merged_and_awake(lane_tree, lane, monkeypatch)
     prepared = alloc.prepare_sleep(offload_tags=("weights",))
     assert fake.unmap_calls == 0
     alloc.commit_sleep(prepared)
@@ -250,11 +254,31 @@ def test_a_sleep_across_ranks_unmaps_each_run_once(lane_tree, monkeypatch):
     assert weights_intact(fake, addrs, data)
 
 
-def test_a_run_that_cannot_be_unmapped_in_a_committed_sleep_stays_awake_whole(lane_tree, monkeypatch, caplog):
-    fake, alloc, addrs, data = merged_and_awake(lane_tree, monkeypatch)
+def test_a_run_that_cannot_be_unmapped_in_a_committed_sleep_stays_awake_whole(lane_tree, lane, monkeypatch, caplog):
+    fake, alloc, addrs, data = merged_and_awake(lane_tree, lane, monkeypatch)
     prepared = alloc.prepare_sleep(offload_tags=("weights",))
     fake.fail_unmap_at = 1  # the first run
     alloc.commit_sleep(prepared)
     assert "could not unmap the 4 allocations (tag 'weights'" in caplog.text
-    assert [alloc.pointer_to_data[a].asleep for a in addrs[:4]] == [False] * 4
+    assert [is_asleep(alloc.pointer_to_data[a]) for a in addrs[:4]] == [False] * 4
     assert all(bytes(fake.memory[a]) == data[a] for a in addrs[:4])
+
+
+def test_a_run_that_cannot_be_unmapped_when_its_last_member_goes_is_logged_not_raised(lane_tree, lane, monkeypatch, caplog):
+    """The free callback runs inside the extension's free: an error raised there would be lost."""
+    fake, alloc, addrs, data = merged_and_awake(lane_tree, lane, monkeypatch)
+    for a in addrs[:3]:
+        fake.my_free(alloc, a)
+    fake.fail_unmap_at = 1
+    fake.my_free(alloc, addrs[3])  # the last member: the run's unmap fails
+    assert "could not unmap the 4 allocations" in caplog.text
+    assert all(a in fake.memory for a in addrs[:4]) and fake.freed_ranges == []
+
+
+def test_a_discard_unmaps_a_run_whole(lane_tree, monkeypatch):
+    """0.33.0's discard(tags): the KV cache's run goes with one unmap, the weights stay."""
+    fake, alloc, addrs, data = merged_and_awake(lane_tree, "0.33.0", monkeypatch)
+    alloc.discard("kv_cache")
+    assert fake.unmaps == [(addrs[4], 3 * 8192)]
+    assert all(is_asleep(alloc.pointer_to_data[a]) for a in addrs[4:7])
+    assert all(bytes(fake.memory[a]) == data[a] for a in addrs[:4] + addrs[7:])

@@ -289,7 +289,7 @@ def test_where_fabric_handles_are_granted_every_allocation_gets_one(extensions, 
 
 @pytest.mark.native
 @pytest.mark.integration
-@pytest.mark.parametrize("lane", ["0.21.0"])  # the lane that carries cumem-run-reservations
+@pytest.mark.parametrize("lane", LANES)
 def test_a_merged_run_maps_once_and_its_members_release_is_left_to_the_allocator(extensions, fake_libcuda, lane):
     got = scenario(extensions, fake_libcuda, "patched", "merged_run", lane, VLLM_CUMEM_MERGE_RUNS="1")
     assert got["back_to_back"] and got["sleep_errors"] == [] and got["map_error"] is None
@@ -303,7 +303,7 @@ def test_a_merged_run_maps_once_and_its_members_release_is_left_to_the_allocator
 
 @pytest.mark.native
 @pytest.mark.integration
-@pytest.mark.parametrize("lane", ["0.21.0"])
+@pytest.mark.parametrize("lane", LANES)
 def test_without_the_switch_each_range_is_reserved_apart(extensions, fake_libcuda, lane):
     """VLLM_CUMEM_MERGE_RUNS unset: no region; the fake driver leaves a gap after each
     range it picks, so nothing lies back to back and the counts are the pinned tree's."""
