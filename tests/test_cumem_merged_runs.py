@@ -282,3 +282,106 @@ def test_a_discard_unmaps_a_run_whole(lane_tree, monkeypatch):
     assert fake.unmaps == [(addrs[4], 3 * 8192)]
     assert all(is_asleep(alloc.pointer_to_data[a]) for a in addrs[4:7])
     assert all(bytes(fake.memory[a]) == data[a] for a in addrs[:4] + addrs[7:])
+
+
+# --- the runs an engine loads: mapped as one when the pool context ends -----------------
+
+def loaded(lane_tree, lane, monkeypatch, scratch=None):
+    """An engine's load: the weights, then the KV cache, each in its pool context (the
+    LAYOUT's last weight is left out: it would follow the KV cache). ``scratch``
+    replaces the device scratch buffer (default: host memory the fake copies through)."""
+    fake = RunsCuda()
+    mod, alloc = make(lane_tree, lane, monkeypatch, fake)
+    monkeypatch.setattr(mod, "_scratch", scratch or (lambda device, n: torch.empty(n, dtype=torch.uint8)))
+    addrs = []
+    for tag in ("weights", "kv_cache"):
+        with alloc.use_memory_pool(tag=tag):
+            addrs += [fake.my_malloc(alloc, size, tag) for t, size in LAYOUT[:7] if t == tag]
+    return fake, alloc, addrs
+
+
+def test_a_pool_context_maps_its_runs_as_one_so_the_first_sleep_unmaps_each_once(lane_tree, lane, monkeypatch, merge):
+    fake, alloc, addrs = loaded(lane_tree, lane, monkeypatch)
+    data = {a: bytes(fake.memory[a]) for a in addrs}
+    fake.map_calls = fake.unmap_calls = 0
+    alloc.sleep(offload_tags=("weights",))
+    # merged: the four weights' run and the KV cache's, one unmap each
+    assert fake.unmap_calls == (2 if merge else 7) and fake.memory == {} and fake.violations == []
+    alloc.wake_up()
+    assert all(bytes(fake.memory[a]) == data[a] for a in addrs[:4])
+    assert fake.map_calls == (2 if merge else 7)
+
+
+def test_a_run_mapped_as_one_at_load_keeps_every_byte_and_frees_like_a_woken_run(lane_tree, lane, monkeypatch):
+    monkeypatch.setenv("VLLM_CUMEM_MERGE_RUNS", "1")
+    fake, alloc, addrs = loaded(lane_tree, lane, monkeypatch)
+    # the fake's memory was written at each my_malloc; the copies kept it through the remap
+    assert sorted(len(b) for b in fake.spans.values()) == [3, 4]
+    assert all(alloc.pointer_to_data[a].run is not None for a in addrs)
+    before = {a: bytes(fake.memory[a]) for a in addrs}
+    for a in addrs[:4]:
+        fake.my_free(alloc, a)
+    assert fake.unmaps[-1] == (addrs[0], 4 * 4096) and sorted(fake.freed_ranges) == sorted(addrs[:4])
+    assert all(bytes(fake.memory[a]) == before[a] for a in addrs[4:])
+
+
+def test_without_a_scratch_buffer_the_runs_stay_as_they_were(lane_tree, lane, monkeypatch):
+    monkeypatch.setenv("VLLM_CUMEM_MERGE_RUNS", "1")
+
+    asked = []
+
+    def full(device, n):
+        asked.append(n)
+        raise RuntimeError("CUDA out of memory")
+
+    fake, alloc, addrs = loaded(lane_tree, lane, monkeypatch, scratch=full)
+    assert asked == [4 * 4096, 3 * 8192]  # each pool context's run asked for one
+    assert fake.spans == {} and all(alloc.pointer_to_data[a].run is None for a in addrs)
+    fake.unmap_calls = 0
+    alloc.sleep(offload_tags=("weights",))
+    assert fake.unmap_calls == 7
+
+
+def test_a_run_that_cannot_be_mapped_as_one_is_mapped_again_one_by_one_with_its_bytes(lane_tree, lane, monkeypatch):
+    monkeypatch.setenv("VLLM_CUMEM_MERGE_RUNS", "1")
+    fake = RunsCuda()
+    mod, alloc = make(lane_tree, lane, monkeypatch, fake)
+    monkeypatch.setattr(mod, "_scratch", lambda device, n: torch.empty(n, dtype=torch.uint8))
+    with alloc.use_memory_pool(tag="weights"):
+        addrs = [fake.my_malloc(alloc, 4096, "weights") for _ in range(4)]
+        data = {a: bytes(fake.memory[a]) for a in addrs}
+        fake.map_calls, fake.fail_map_at = 0, 1  # the run's own map, after its members went
+    assert fake.map_calls == 1 + 4  # the run's map, refused; each member's again
+    assert fake.spans == {} and sorted(fake.memory) == sorted(addrs)
+    assert all(bytes(fake.memory[a]) == data[a] for a in addrs)
+    assert all(alloc.pointer_to_data[a].run is None for a in addrs)
+    fake.fail_map_at, fake.unmap_calls = None, 0
+    alloc.sleep(offload_tags=("weights",))
+    assert fake.unmap_calls == 4
+    alloc.wake_up()
+    assert all(bytes(fake.memory[a]) == data[a] for a in addrs)
+
+
+def test_with_the_unchanged_skip_a_member_changed_in_place_is_copied_alone(lane_tree, lane, monkeypatch):
+    """The skip's checksum is taken per allocation, merged or not: a member written while
+    its run is mapped is copied by the next sleep, the others are not, and the wake after
+    brings back the changed bytes."""
+    monkeypatch.setenv("VLLM_CUMEM_MERGE_RUNS", "1")
+    monkeypatch.setenv("VLLM_CUMEM_SKIP_UNCHANGED", "1")
+    fake = RunsCuda()
+    mod = load_cumem(lane_tree(lane, "patched"), fake, monkeypatch, "_cumem_merged_skip", skip_unchanged=None)
+    alloc = mod.CuMemAllocator()
+    monkeypatch.setattr(mod, "_scratch", lambda device, n: torch.empty(n, dtype=torch.uint8))
+    with alloc.use_memory_pool(tag="weights"):
+        addrs = [fake.my_malloc(alloc, 4096, "weights") for _ in range(4)]
+    alloc.sleep(offload_tags=("weights",))
+    alloc.wake_up()
+    assert len(fake.spans) == 1 and alloc.last_sleep_copied_bytes == 4 * 4096
+    fake.memory[addrs[2]][7] ^= 0x10  # a weight updated in place inside the mapped run
+    data = {a: bytes(fake.memory[a]) for a in addrs}
+    alloc.sleep(offload_tags=("weights",))
+    assert (alloc.last_sleep_copied_bytes, alloc.last_sleep_skipped_bytes) == (4096, 3 * 4096)
+    alloc.wake_up()
+    assert all(bytes(fake.memory[a]) == data[a] for a in addrs)
+    alloc.sleep(offload_tags=("weights",))
+    assert (alloc.last_sleep_copied_bytes, alloc.last_sleep_skipped_bytes) == (0, 4 * 4096)

@@ -89,3 +89,20 @@ def test_an_address_that_is_not_a_url_is_refused_before_anything_is_sent(bad, ca
         main(["rotate", "--from", bad, "--to", "http://127.0.0.1:9"])
     assert exit_.value.code == 2
     assert "must be an http:// or https:// address" in capsys.readouterr().err
+
+
+def test_the_engine_checks_rotation_warms_its_client_on_each_server_first(servers):
+    """A process's first urllib request also sets urllib up (33 ms against 1 ms after, on
+    the GPU machine): the rotation scenario makes two requests to each server before it
+    times the first swap, and records them."""
+    from types import SimpleNamespace
+
+    from sm12x_bundle.enginecheck import rotation
+
+    a, b = servers(), servers(asleep=True)
+    engines = {name: SimpleNamespace(ready={"port": int(s.base.rsplit(":", 1)[1])}) for name, s in (("A", a), ("B", b))}
+    seconds = rotation.warm_client(SimpleNamespace(call_timeout=20), engines)
+    assert len(seconds) == 4 and all(0 < s < 20 for s in seconds)
+    assert b.json("GET", "/is_sleeping", 20) == {"is_sleeping": True}  # asked, not changed
+    no_port = {"A": SimpleNamespace(ready={})}
+    assert rotation.warm_client(SimpleNamespace(call_timeout=20), no_port) == []

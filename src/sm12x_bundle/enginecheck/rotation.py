@@ -10,12 +10,15 @@ After each swap (outside its timed calls) both allocators are asked what the sle
 and skipped and what each stage of the wake took, and before the first swap what B's
 background fill had done; an allocator that keeps no such record gives None. After the
 swaps each engine's workers time the driver's map calls on ranges of their own, also with
-host-to-device copies queued (``map_calls``), to set beside the wakes' maps.
+host-to-device copies queued (``map_calls``), to set beside the wakes' maps. Before the
+first swap is timed, the swaps' HTTP client asks each server twice whether it sleeps
+(``client_requests_s``): the check process's first request also sets up urllib.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 
 from .bench import Bench, Engine, Finding, Stop, per_rank, recording, summed
 from .ceilings import Ceilings
@@ -48,6 +51,8 @@ def rotation(bench: Bench, tree: Tree) -> Finding:
 
 def swaps(bench: Bench, f: Finding, engines: dict[str, Engine], refs: dict[str, list]) -> None:
     awake, asleep = "B", "A"
+    if bench.parallel.driver == "serve":
+        f.figures["client_requests_s"] = warm_client(bench, engines)
     for i in range(bench.sizes.swaps):
         sleep_s, wake_s = one_swap(bench, engines[awake], engines[asleep], f"swap {i + 1}")
         slept = engines[awake].state()
@@ -60,6 +65,20 @@ def swaps(bench: Bench, f: Finding, engines: dict[str, Engine], refs: dict[str, 
         got = engines[asleep].generate(f"swap {i + 1}: {asleep}'s generate")
         f.tokens(f"swap {i + 1} ({asleep} awake)", refs[asleep], got)
         awake, asleep = asleep, awake
+
+
+def warm_client(bench: Bench, engines: dict[str, Engine]) -> list[float]:
+    """Two requests to each server through the swaps' HTTP client, before the first swap
+    is timed: a process's first urllib request also builds urllib's opener, a cost of the
+    client's, not of the swap's. Returns each request's seconds, in order."""
+    seconds = []
+    for engine in engines.values():
+        port = engine.ready.get("port")
+        for _ in range(2 if port else 0):
+            start = time.perf_counter()
+            Server(f"http://127.0.0.1:{port}").json("GET", "/is_sleeping", bench.call_timeout)
+            seconds.append(time.perf_counter() - start)
+    return seconds
 
 
 QUEUED = "extension create_and_map, copies by the copy engine running"  # vmm.call_times' row
