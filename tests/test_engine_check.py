@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -864,6 +865,7 @@ def test_rotation_figures_set_the_first_swap_against_the_steady_ones_and_the_cei
     figs = rotation_figures(0.61, [0.60, 0.61, 0.60, 0.62, 0.60])
     assert figs["first_swap_s"] == pytest.approx(0.61) and figs["steady_median_s"] == pytest.approx(0.60)
     assert figs["first_over_steady"] == pytest.approx(0.61 / 0.60)
+    assert figs["first_over_its_direction"] == pytest.approx(0.61 / statistics.median([0.61, 0.62]))  # swaps 3 and 5
     assert figs["ideal_swap_s"] == pytest.approx(WEIGHTS_7B / 55e9 + WEIGHTS_7B / 53e9)
     assert figs["steady_over_ideal"] == pytest.approx(0.62 / figs["ideal_swap_s"])
 

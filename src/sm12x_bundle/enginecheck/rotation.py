@@ -154,9 +154,11 @@ def one_swap(bench: Bench, awake: Engine, asleep: Engine, what: str) -> tuple[fl
 
 
 def rotation_figures(ceilings: Ceilings | None, figs: dict) -> None:
-    """Swap times, the first against the steady ones, a steady swap against the time its
-    bytes take at the ceilings, and each steady wake's copy (where its stages are recorded)
-    against the H2D ceiling."""
+    """Swap times, the first against the steady ones (and against those of its own
+    direction: in one rotation one server's sleeps and the other's wakes can be the slower
+    ones, measured on two H200s), a steady swap against the time its bytes take at the
+    ceilings, and each steady wake's copy (where its stages are recorded) against the H2D
+    ceiling."""
     swaps_done = figs.get("swaps") or []
     if len(swaps_done) < 2:
         return
@@ -165,6 +167,8 @@ def rotation_figures(ceilings: Ceilings | None, figs: dict) -> None:
     figs.update(swaps_s=times, first_swap_s=times[0], steady_median_s=statistics.median(steady),
                 steady_max_s=max(steady))
     figs["first_over_steady"] = times[0] / figs["steady_median_s"]
+    if times[2::2]:  # the swaps that, like the first, put B to sleep and wake A
+        figs["first_over_its_direction"] = times[0] / statistics.median(times[2::2])
     moved = max(filter(None, [figs.get("a_moved_bytes"), figs.get("b_moved_bytes")]), default=None)
     if ceilings and moved:
         figs["ideal_swap_s"] = ceilings.sleep_seconds(moved) + ceilings.wake_seconds(moved)

@@ -85,8 +85,9 @@ def _first_sleep(f: dict) -> str:
 
 
 def _first_swap(f: dict) -> str:
-    over = f.get("first_over_steady")
-    return _s(f.get("first_swap_s")) + (f" ({over:.2f}x steady)" if over else "")
+    over, same = f.get("first_over_steady"), f.get("first_over_its_direction")
+    both = f"{over:.2f}x steady" + (f", {same:.2f}x those of its direction" if same else "")
+    return _s(f.get("first_swap_s")) + (f" ({both})" if over else "")
 
 
 def _changed(f: dict) -> str:
