@@ -257,8 +257,8 @@ def main() -> int:
         use_order(cumem, args.order)
         reps = run(args, cumem, modes[0])
         result = {"gpu": torch.cuda.get_device_name(), "weights": list(args.weights), "kv": list(args.kv),
-                  "skip_unchanged": os.environ.get("VLLM_CUMEM_SKIP_UNCHANGED", "0"),
-                  "merge_runs": os.environ.get("VLLM_CUMEM_MERGE_RUNS", "0"), "order": args.order,
+                  "skip_unchanged": os.environ.get("VLLM_CUMEM_SKIP_UNCHANGED", "unset"),
+                  "merge_runs": os.environ.get("VLLM_CUMEM_MERGE_RUNS", "unset"), "order": args.order,
                   "modes": {modes[0]: reps}}
         print(f"{modes[0]}: " + "; ".join(
             f"sleep {r['sleep_s'] * 1e3:.1f} ms ({r['sleep_stages'].get('unmapped', '?')} unmaps "

@@ -342,7 +342,7 @@ def test_unaligned_spans_use_the_reference(ck, monkeypatch):
 
 def test_the_switch(ck, monkeypatch):
     monkeypatch.delenv("VLLM_CUMEM_SKIP_UNCHANGED", raising=False)
-    assert ck.SkipUnchanged.from_env() is None  # off unless asked for
+    assert ck.SkipUnchanged.from_env() is not None  # on unless turned off
     for off in ("0", "false", "off"):
         monkeypatch.setenv("VLLM_CUMEM_SKIP_UNCHANGED", off)
         assert ck.SkipUnchanged.from_env() is None

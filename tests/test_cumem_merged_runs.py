@@ -1,6 +1,6 @@
 """cumem-merged-runs and cumem-run-reservations through each lane's patched cumem.py.
 
-With VLLM_CUMEM_MERGE_RUNS=1 a wake maps each run of back-to-back allocations of one tag
+Unless VLLM_CUMEM_MERGE_RUNS=0 a wake maps each run of back-to-back allocations of one tag
 with one physical allocation, and the sleep unmaps it with one call. The tree's own
 cumem.py runs against :class:`RunsCuda`, test_cumem_patches' fake extension with what the
 real driver answered on an H200 (bench/cumem_shared_handle_bench.py, docs/results.md): one
@@ -104,10 +104,14 @@ def lane(request) -> str:
     return request.param
 
 
-@pytest.fixture(params=["1", "0"], ids=["merged", "off"])
+@pytest.fixture(params=["1", "0", None], ids=["merged", "off", "default"])
 def merge(request, monkeypatch) -> bool:
-    monkeypatch.setenv("VLLM_CUMEM_MERGE_RUNS", request.param)
-    return request.param == "1"
+    """The switch set to 1, to 0, or unset: on by default."""
+    if request.param is None:
+        monkeypatch.delenv("VLLM_CUMEM_MERGE_RUNS", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_CUMEM_MERGE_RUNS", request.param)
+    return request.param != "0"
 
 
 def make(lane_tree, lane, monkeypatch, fake: RunsCuda):

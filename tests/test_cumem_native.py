@@ -192,9 +192,12 @@ VARIANTS = pytest.mark.parametrize("variant", ["pinned", "patched"])
 def test_extension_builds_and_round_trips(extensions, fake_libcuda, lane, variant):
     got = scenario(extensions, fake_libcuda, variant, "healthy_round_trip", lane)
     one = {"handles": 1, "mappings": 1, "reservations": 1}
+    # Patched, the range is carved from the device's region of addresses (merged runs
+    # are on by default), which stays reserved once the allocation is freed.
+    left = {"pinned": 0, "patched": 1}[variant]
     assert got == {
         "allocated": one, "sleep_error": None, "asleep": {"handles": 0, "mappings": 0, "reservations": 1},
-        "wake_error": None, "awake": one, "freed": {"handles": 0, "mappings": 0, "reservations": 0},
+        "wake_error": None, "awake": one, "freed": {"handles": 0, "mappings": 0, "reservations": left},
     }
 
 
@@ -243,7 +246,8 @@ def test_failed_malloc_leaves_nothing_behind(extensions, fake_libcuda, lane, var
     got = scenario(extensions, fake_libcuda, variant, "malloc_map_fails", lane)
     assert got["malloc_returned"] == 0
     leaked = {"pinned": 1, "patched": 0}[variant]
-    assert got["after"] == {"handles": leaked, "mappings": 0, "reservations": 0}
+    region = {"pinned": 0, "patched": 1}[variant]  # patched: the device's region, reserved once
+    assert got["after"] == {"handles": leaked, "mappings": 0, "reservations": region}
     # Registered with Python before the mapping failed: taken back, or a later
     # sleep() backs up and unmaps an address that holds nothing.
     assert got["registered"] == leaked
@@ -273,7 +277,8 @@ def test_a_refused_fabric_handle_is_asked_for_once(extensions, fake_libcuda, lan
     still gets a POSIX file descriptor handle; the refused fabric request is made once,
     where the pinned extension makes it before every cuMemCreate."""
     got = scenario(extensions, fake_libcuda, variant, "fabric_refused", lane)
-    assert got["errors"] == [] and got["counts"] == {"handles": 3, "mappings": 3, "reservations": 3}
+    reservations = {"pinned": 3, "patched": 1}[variant]  # patched: three ranges of one region
+    assert got["errors"] == [] and got["counts"] == {"handles": 3, "mappings": 3, "reservations": reservations}
     fabric = {"pinned": 9, "patched": 1}[variant]
     assert got["woken_twice"] == {"fabric": fabric, "posix_fd": 9, "other": 0}
     assert got["made"] == {"fabric": {"pinned": 3, "patched": 1}[variant], "posix_fd": 3, "other": 0}
@@ -291,7 +296,8 @@ def test_where_fabric_handles_are_granted_every_allocation_gets_one(extensions, 
 @pytest.mark.integration
 @pytest.mark.parametrize("lane", LANES)
 def test_a_merged_run_maps_once_and_its_members_release_is_left_to_the_allocator(extensions, fake_libcuda, lane):
-    got = scenario(extensions, fake_libcuda, "patched", "merged_run", lane, VLLM_CUMEM_MERGE_RUNS="1")
+    """VLLM_CUMEM_MERGE_RUNS unset: on by default."""
+    got = scenario(extensions, fake_libcuda, "patched", "merged_run", lane)
     assert got["back_to_back"] and got["sleep_errors"] == [] and got["map_error"] is None
     region = {"reservations": 1}  # the ranges are carved from one region, reserved once
     assert got["mapped"] == {"handles": 1, "mappings": 1, **region}
@@ -304,12 +310,12 @@ def test_a_merged_run_maps_once_and_its_members_release_is_left_to_the_allocator
 @pytest.mark.native
 @pytest.mark.integration
 @pytest.mark.parametrize("lane", LANES)
-def test_without_the_switch_each_range_is_reserved_apart(extensions, fake_libcuda, lane):
-    """VLLM_CUMEM_MERGE_RUNS unset: no region; the fake driver leaves a gap after each
+def test_with_the_switch_at_0_each_range_is_reserved_apart(extensions, fake_libcuda, lane):
+    """VLLM_CUMEM_MERGE_RUNS=0: no region; the fake driver leaves a gap after each
     range it picks, so nothing lies back to back and the counts are the pinned tree's."""
-    got = scenario(extensions, fake_libcuda, "patched", "merged_run", lane)
+    got = scenario(extensions, fake_libcuda, "patched", "merged_run", lane, VLLM_CUMEM_MERGE_RUNS="0")
     assert not got["back_to_back"]
-    assert scenario(extensions, fake_libcuda, "patched", "healthy_round_trip", lane)["freed"] == {
+    assert scenario(extensions, fake_libcuda, "patched", "healthy_round_trip", lane, VLLM_CUMEM_MERGE_RUNS="0")["freed"] == {
         "handles": 0, "mappings": 0, "reservations": 0}
 
 

@@ -28,7 +28,7 @@ WEIGHTS = sum(n for t, n in LAYOUT if t == "weights")
 
 @pytest.fixture(autouse=True)
 def switched_on(monkeypatch):
-    monkeypatch.setenv("VLLM_CUMEM_SKIP_UNCHANGED", "1")  # off by default
+    monkeypatch.setenv("VLLM_CUMEM_SKIP_UNCHANGED", "1")  # the default, whatever the environment says
 
 
 @pytest.fixture(params=LANES)
@@ -215,9 +215,11 @@ def test_with_the_backup_pool_the_spans_stay_with_their_allocations(lane_tree, l
     alloc = make_alloc(lane_tree, lane, fake, monkeypatch, pool=True)
     addrs = loaded(fake, alloc)
     pool = alloc.backup_pool
+    held = pool.capacity()  # pinned once the model is loaded, the skip on or off
     data = snapshot(fake, weights(addrs))
     assert cycle(alloc, fake) == weights(addrs)
     assert pool.in_use() == WEIGHTS and pool.fallback_bytes == 0  # kept through the wake
+    assert pool.capacity() == held  # keeping them took no more host memory
     assert cycle(alloc, fake) == [] and pool.in_use() == WEIGHTS
     assert snapshot(fake, weights(addrs)) == data
     alloc.sleep(offload_tags=())  # level 2: the kept spans go back, the pool is released

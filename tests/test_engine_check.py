@@ -1040,7 +1040,7 @@ def test_help_teaches_with_examples_and_exit_codes(capsys):
         main(["engine-check", "--help"])
     out = capsys.readouterr().out
     assert "examples:" in out and "d1 failing-sleep" in out and "targets (judged on patched" in out
-    assert "g  weight-changed" in out and "VLLM_CUMEM_SKIP_UNCHANGED=1" in out
+    assert "g  weight-changed" in out and "VLLM_CUMEM_SKIP_UNCHANGED=0" in out
     assert "and one gc.collect() in every worker, timed" in " ".join(out.split())
     for code in (0, 2, 3, 4, 6, 7, 9, 11, 12):
         assert f"\n  {code:<4}" in out, code

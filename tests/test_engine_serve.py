@@ -268,3 +268,23 @@ def test_a_sleep_that_fails_on_one_rank_is_judged_over_every_rank(tmp_path):
     assert f.checks["the failure names the rank"][0] and f.checks["the failure names the allocation"][0]
     # is_sleeping is judged once the scheduler is resumed, not before (vLLM counts a paused one as asleep)
     assert f.figures["is_sleeping_after_resume"] is False and f.checks["is_sleeping tells the truth"][0]
+
+
+def test_the_record_names_the_allocator_switches_the_environment_sets(monkeypatch):
+    """The engines inherit the check's environment: a switch set there (the skip turned off,
+    say) is in the record and on the table's engine line; one unset is at the tree's default."""
+    from types import SimpleNamespace
+
+    from sm12x_bundle.enginecheck import plan, table
+
+    for name in plan.ALLOCATOR_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    assert plan.allocator_switches() == {}
+    monkeypatch.setenv("VLLM_CUMEM_SKIP_UNCHANGED", "0")
+    monkeypatch.setenv("VLLM_CUMEM_MERGE_RUNS", "0")
+    switches = plan.allocator_switches()
+    assert switches == {"VLLM_CUMEM_SKIP_UNCHANGED": "0", "VLLM_CUMEM_MERGE_RUNS": "0"}
+    report = SimpleNamespace(engine_settings={"driver": "serve", "tp": 2, "pp": 1, "graphs": "g",
+                                              "allocator_switches": switches}, cards=[{"index": 0}])
+    line = table.engine_line(report)[0]
+    assert line.endswith("; allocator switches set: VLLM_CUMEM_SKIP_UNCHANGED=0 VLLM_CUMEM_MERGE_RUNS=0")

@@ -59,9 +59,10 @@ scenarios (--scenario LETTER or NAME, repeatable; default all, --quick: a only):
                     (calls fail, /health fails) within --timeout, never hang
   g  weight-changed sleep/wake; a weight (lm_head's rows) is changed in place on
                     every rank; sleep/wake twice: the tokens must be the changed
-                    weight's, never those before (a stale backup). Meant with
-                    VLLM_CUMEM_SKIP_UNCHANGED=1 in the engine's environment (a
-                    sleep skips what is unchanged); without it every sleep copies
+                    weight's, never those before (a stale backup). Patched, a
+                    sleep skips what is unchanged (on by default); with
+                    VLLM_CUMEM_SKIP_UNCHANGED=0 in the engine's environment, and
+                    on pristine, every sleep copies
 With several GPUs, d1's fault and d2's held memory are on the last rank alone: all ranks
 or none must sleep or wake, and the error must name the rank. The full run (not --quick)
 makes a: 10 cycles with fresh 200-900-token prompts before the reference ones, then 20

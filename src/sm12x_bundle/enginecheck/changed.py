@@ -1,6 +1,6 @@
 """Scenario g of the engine check: a weight changed in place while the engine is awake.
 
-The unchanged-skip (``VLLM_CUMEM_SKIP_UNCHANGED=1``) lets a sleep leave out the copy of an
+The unchanged-skip (patched, on unless ``VLLM_CUMEM_SKIP_UNCHANGED=0``) lets a sleep leave out the copy of an
 allocation whose GPU checksum equals the one taken with its host backup, which it keeps
 across wakes. What it must never do: skip an allocation that changed since, so that the next
 wake restores the bytes as they were. Here the engine sleeps and wakes once (the backups

@@ -136,7 +136,7 @@ def address_runs(ranges) -> int:
 
 def _last_sleep(alloc) -> dict:
     """What the last sleep copied and skipped and how long its checksum took (the
-    unchanged-skip's allocator records it with VLLM_CUMEM_SKIP_UNCHANGED=1), each stage of the
+    unchanged-skip's allocator records it, unless VLLM_CUMEM_SKIP_UNCHANGED=0), each stage of the
     last sleep and of the last wake (the patched allocator's last_sleep_stages and
     last_wake_up_stages) and its background fill; None where the allocator keeps no such record."""
     keys = ("last_sleep_copied_bytes", "last_sleep_skipped_bytes", "last_sleep_checksum_s", "last_sleep_stages",

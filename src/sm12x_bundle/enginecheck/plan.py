@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,9 +62,20 @@ SCENARIOS: tuple[Scenario, ...] = (
              "timeout (health fails, calls fail), never hang"),
     Scenario("g", "weight-changed", "a weight changed in place while awake", "single",
              "sleep/wake; a weight changed in place on every rank; sleep/wake twice; tokens after each wake are "
-             "those of the changed weight (meant with VLLM_CUMEM_SKIP_UNCHANGED=1)"),
+             "those of the changed weight (patched, a sleep skips what is unchanged unless VLLM_CUMEM_SKIP_UNCHANGED=0)"),
 )
 BY_NAME = {s.name: s for s in SCENARIOS}
+
+# The patched allocator's switches, which the engines inherit from the check's environment.
+# Unset, each is at the tree's default (patched: the skip, its fill, merged runs and the
+# backup pool on); pristine reads none of them.
+ALLOCATOR_SWITCHES = ("VLLM_CUMEM_SKIP_UNCHANGED", "VLLM_CUMEM_BACKGROUND_FILL",
+                      "VLLM_CUMEM_MERGE_RUNS", "VLLM_SM12X_BACKUP_POOL")
+
+
+def allocator_switches() -> dict[str, str]:
+    """The switches this environment sets (for the record); the others are at their default."""
+    return {name: os.environ[name] for name in ALLOCATOR_SWITCHES if name in os.environ}
 QUICK_SCENARIOS = ("a",)
 
 

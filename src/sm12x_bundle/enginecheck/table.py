@@ -234,6 +234,8 @@ def engine_line(report: Report) -> list[str]:
         line += f"; the operator's flags: {' '.join(e['vllm_args'])}"
     if e.get("left_out_vllm_args"):
         line += f"; left out (the check sets them): {' '.join(e['left_out_vllm_args'])}"
+    if e.get("allocator_switches"):
+        line += "; allocator switches set: " + " ".join(f"{k}={v}" for k, v in e["allocator_switches"].items())
     return [line]
 
 
