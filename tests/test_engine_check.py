@@ -868,6 +868,8 @@ def test_rotation_figures_set_the_first_swap_against_the_steady_ones_and_the_cei
     assert figs["first_over_its_direction"] == pytest.approx(0.61 / statistics.median([0.61, 0.62]))  # swaps 3 and 5
     assert figs["ideal_swap_s"] == pytest.approx(WEIGHTS_7B / 55e9 + WEIGHTS_7B / 53e9)
     assert figs["steady_over_ideal"] == pytest.approx(0.62 / figs["ideal_swap_s"])
+    assert figs["one_copy_s"] == pytest.approx(WEIGHTS_7B / 53e9)  # the weights at the H2D ceiling
+    assert figs["steady_over_one_copy"] == pytest.approx(0.60 / figs["one_copy_s"])
 
 
 def test_each_steady_wakes_copy_is_set_against_the_h2d_ceiling_on_its_slowest_rank():

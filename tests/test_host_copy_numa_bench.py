@@ -4,23 +4,20 @@ where move_pages(2) says a buffer's pages lie."""
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "host_copy_numa_bench.py"
+from benchkit import BENCH_DIR, load_bench
+
+BENCH = BENCH_DIR / "host_copy_numa_bench.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("host_copy_numa_bench", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench(BENCH)
 
 
 def test_a_cpu_list_is_read_as_sysfs_writes_it(bench):

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from sm12x_bundle.enginecheck import vmm
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "cumem_map_bench.py"
+from benchkit import BENCH_DIR, load_bench
+
+BENCH = BENCH_DIR / "cumem_map_bench.py"
 
 
 def test_the_driver_enums_are_read_from_cuda_h(tmp_path):
@@ -57,12 +58,7 @@ WAKE_BENCH = BENCH.parent / "cumem_wake_maps_bench.py"
 
 
 def load_wake_bench():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("cumem_wake_maps_bench", WAKE_BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench(WAKE_BENCH)
 
 
 def test_the_wake_bench_reads_an_allocation_layout_and_refuses_a_bad_one():
@@ -165,16 +161,11 @@ def test_the_span_pass_skips_ranges_that_are_not_back_to_back():
     assert out == {"back_to_back_run": 1}
 
 
-FILL_BENCH = Path(__file__).resolve().parents[1] / "bench" / "cumem_fill_cost_bench.py"
+FILL_BENCH = BENCH_DIR / "cumem_fill_cost_bench.py"
 
 
 def load_fill_bench():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("cumem_fill_cost_bench", FILL_BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench(FILL_BENCH)
 
 
 def test_the_fill_bench_reads_its_paces_and_refuses_bad_ones(tmp_path):
@@ -277,15 +268,11 @@ def test_an_ordered_wake_maps_and_queues_in_groups(monkeypatch, group, events):
     assert seen == events + ["sync 0"] and stages["copied_bytes"] == 24
 
 
-SHARED_BENCH = Path(__file__).resolve().parents[1] / "bench" / "cumem_shared_handle_bench.py"
+SHARED_BENCH = BENCH_DIR / "cumem_shared_handle_bench.py"
 
 
 def load_shared_bench(monkeypatch):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("cumem_shared_handle_bench", SHARED_BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_bench(SHARED_BENCH)
     seen = []
     monkeypatch.setattr(mod, "usable", lambda torch, ranges: seen.append(list(ranges)) or True)
     return mod, seen

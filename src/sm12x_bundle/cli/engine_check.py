@@ -43,7 +43,9 @@ scenarios (--scenario LETTER or NAME, repeatable; default all, --quick: a only):
   b  level2         sleep(2), wake, reload the weights (vLLM's reload_weights, else the
                     dummy loader again: it writes the same seeded values); tokens
   c  rotation       two engines on one GPU, B starts while A sleeps, --swaps swaps;
-                    first swap against steady ones, and against the ceilings; tokens;
+                    first swap against steady ones, and against the ceilings; the
+                    median steady swap against one H2D copy of a rank's weights at
+                    the ceiling (reported, not judged); tokens;
                     where the allocator records them: what each sleep copied and
                     skipped and its checksum's time, the steady wakes' stages, B's
                     background fill before its first sleep; then every worker times

@@ -157,8 +157,9 @@ def rotation_figures(ceilings: Ceilings | None, figs: dict) -> None:
     """Swap times, the first against the steady ones (and against those of its own
     direction: in one rotation one server's sleeps and the other's wakes can be the slower
     ones, measured on two H200s), a steady swap against the time its bytes take at the
-    ceilings, and each steady wake's copy (where its stages are recorded) against the H2D
-    ceiling."""
+    ceilings, the median steady swap against one copy of the incoming engine's weights (a
+    rank's) at the H2D ceiling (the issue's target: a swap in the time of one copy), and each
+    steady wake's copy (where its stages are recorded) against the H2D ceiling."""
     swaps_done = figs.get("swaps") or []
     if len(swaps_done) < 2:
         return
@@ -173,6 +174,8 @@ def rotation_figures(ceilings: Ceilings | None, figs: dict) -> None:
     if ceilings and moved:
         figs["ideal_swap_s"] = ceilings.sleep_seconds(moved) + ceilings.wake_seconds(moved)
         figs["steady_over_ideal"] = figs["steady_max_s"] / figs["ideal_swap_s"]
+        figs["one_copy_s"] = ceilings.wake_seconds(moved)
+        figs["steady_over_one_copy"] = figs["steady_median_s"] / figs["one_copy_s"]
     if ceilings:
         ratios = [wake_copy_ratio(ceilings, s.get("wake_stages")) for s in swaps_done[1:]]
         figs["wake_copy_ratios"] = [r for r in ratios if r is not None]

@@ -75,8 +75,11 @@ def _f(cell: Cell) -> Callable[[ScenarioResult], str]:
 def _swaps(f: dict) -> str:
     if f.get("steady_median_s") is None:
         return "-"
+    against = [f"{f['steady_over_ideal']:.2f}x the ceilings"] if f.get("steady_over_ideal") else []
+    if f.get("steady_over_one_copy"):
+        against.append(f"median {f['steady_over_one_copy']:.2f}x one H2D copy")
     return f"median {f['steady_median_s']:.2f} s, slowest {f['steady_max_s']:.2f} s" + (
-        f" ({f['steady_over_ideal']:.2f}x the ceilings)" if f.get("steady_over_ideal") else "")
+        f" ({'; '.join(against)})" if against else "")
 
 
 def _first_sleep(f: dict) -> str:
