@@ -76,6 +76,8 @@ ALLOCATOR_SWITCHES = ("VLLM_CUMEM_SKIP_UNCHANGED", "VLLM_CUMEM_BACKGROUND_FILL",
 def allocator_switches() -> dict[str, str]:
     """The switches this environment sets (for the record); the others are at their default."""
     return {name: os.environ[name] for name in ALLOCATOR_SWITCHES if name in os.environ}
+
+
 QUICK_SCENARIOS = ("a",)
 
 

@@ -172,9 +172,9 @@ def rotation_figures(ceilings: Ceilings | None, figs: dict) -> None:
         figs["first_over_its_direction"] = times[0] / statistics.median(times[2::2])
     moved = max(filter(None, [figs.get("a_moved_bytes"), figs.get("b_moved_bytes")]), default=None)
     if ceilings and moved:
-        figs["ideal_swap_s"] = ceilings.sleep_seconds(moved) + ceilings.wake_seconds(moved)
-        figs["steady_over_ideal"] = figs["steady_max_s"] / figs["ideal_swap_s"]
         figs["one_copy_s"] = ceilings.wake_seconds(moved)
+        figs["ideal_swap_s"] = ceilings.sleep_seconds(moved) + figs["one_copy_s"]
+        figs["steady_over_ideal"] = figs["steady_max_s"] / figs["ideal_swap_s"]
         figs["steady_over_one_copy"] = figs["steady_median_s"] / figs["one_copy_s"]
     if ceilings:
         ratios = [wake_copy_ratio(ceilings, s.get("wake_stages")) for s in swaps_done[1:]]
