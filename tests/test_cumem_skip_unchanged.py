@@ -388,6 +388,50 @@ def test_a_done_fill_lays_out_the_first_sleeps_checksum_and_that_sleep_uses_it(l
     assert built == [len(sleeps)]  # what the first sleep asks for is there
 
 
+# What a level-1 sleep offloads in each lane, and the source lines that say so: the fill
+# takes the same allocations, so that the first sleep finds its checksum laid out.
+LEVEL1 = {
+    "0.21.0": (("weights",), "vllm/v1/worker/gpu_worker.py",
+               ['sleep_across_ranks(allocator, ("weights",) if level == 1 else tuple())']),
+    "0.33.0": (("weights", "runtime", "cudagraph"), "vllm/device_allocator/sleep_mode_backend.py",
+               ['offload_tags: tuple[str, ...] = ("runtime", "cudagraph")', "if level == 1:",
+                'offload_tags = ("weights", *offload_tags)']),
+}
+
+
+def test_the_fill_takes_what_a_level_1_sleep_offloads_so_that_sleep_copies_and_lays_out_nothing(
+        lane_tree, lane, fake, monkeypatch):
+    alloc = make_alloc(lane_tree, lane, fake, monkeypatch)
+    loaded(fake, alloc)
+    with alloc.use_memory_pool("runtime"):  # 0.33.0's KV-init state: offloaded at level 1
+        fake.my_malloc(alloc, 4096, "runtime")
+    module = fill_module(alloc)
+    built, real = [], module._descriptors
+    monkeypatch.setattr(module, "_descriptors", lambda spans, b: built.append(len(spans)) or real(spans, b))
+    fill = filled(alloc, monkeypatch)
+    fill.thread.join()
+    tags = LEVEL1[lane][0]
+    offloaded = [p for p, d in alloc.pointer_to_data.items() if d.tag in tags]
+    del fake.copied[:]
+    alloc.sleep(offload_tags=tags)
+    assert fake.copied == [] and alloc.last_sleep_copied_bytes == 0
+    assert built == [len(offloaded)]  # laid out once, by the fill, for the sleep's allocations
+    alloc.wake_up()
+
+
+def test_the_fills_tags_are_what_each_lanes_level_1_sleep_offloads(lane_tree, lane):
+    import ast
+
+    tags, path, lines = LEVEL1[lane]
+    tree = lane_tree(lane, "patched")
+    source = (tree / path).read_text()
+    assert all(line in source for line in lines), f"{lane}: {path} no longer says what level 1 offloads"
+    cumem = ast.parse((tree / "vllm/device_allocator/cumem.py").read_text())
+    fill = next(n for n in ast.walk(cumem) if isinstance(n, ast.FunctionDef) and n.name == "start_background_fill"
+                and n.args.args and n.args.args[0].arg == "self")
+    assert ast.literal_eval(fill.args.defaults[0]) == tags
+
+
 def test_a_weight_written_while_it_is_filled_is_dropped_and_copied_by_the_sleep(
         lane_tree, lane, fake, monkeypatch):
     alloc = make_alloc(lane_tree, lane, fake, monkeypatch)

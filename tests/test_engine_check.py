@@ -18,6 +18,7 @@ import sys
 import textwrap
 import time
 import zipfile
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -553,6 +554,19 @@ def test_a_wake_that_restores_the_weights_from_before_the_change_is_a_stale_back
     assert outcome == "fail" and changed.STALE in words and f.figures["tokens_identical"] is False
 
 
+def test_the_changed_weights_tokens_come_from_a_full_prefill_as_every_generate_after_a_wake(tmp_path):
+    # The stand-in parts from a full prefill when every prompt is in its prefix cache, as
+    # pristine 0.33.0 did at token 14 on 2026-11-29: the check empties the cache first.
+    tree, said = plan.Tree("pristine", tmp_path, (tmp_path,)), []
+    with procs.groups() as groups:
+        b = fake_bench(tmp_path, groups, "--cached-prefix-differs")
+        b.progress = SimpleNamespace(say=said.append)
+        f = changed.weight_changed(b, tree)
+    assert f.outcome()[0] == "pass", f.outcome()
+    calls = [line.split(": ")[2].split(" ")[0] for line in said if line.startswith("engine-check: pristine-weight-changed: ")]
+    assert calls[calls.index("perturb"):][:3] == ["perturb", "reset", "generate"]
+
+
 def test_the_weight_change_rolls_lm_heads_rows_in_place_and_moves_every_greedy_token():
     torch = pytest.importorskip("torch")
     from types import SimpleNamespace
@@ -735,6 +749,26 @@ def test_each_swap_records_what_its_sleep_copied_and_its_wakes_stages_and_bs_fil
     assert f.figures["allocations"] == {"weights": [4]}  # the stand-in's one rank
     assert all(s["sleep_stages"] == [{"checksum_s": 0.004, "unmap_s": 0.03, "unmapped": 4,
                                       "gc_and_empty_cache_s": 0.001}] for s in swaps)
+
+
+def test_the_first_swap_waits_for_bs_background_fill_and_records_the_wait(tmp_path, monkeypatch):
+    monkeypatch.setattr(rotation, "FILL_POLL_S", 0.01)
+    f = rotation_run(tmp_path, "--records", "--fill-running", "3")
+    assert f.outcome()[0] == "pass", f.outcome()
+    assert [r["state"] for r in f.figures["b_fill_before_first_sleep"]] == ["done"]
+    assert f.figures["b_fill_waited_s"] >= 0.02  # three polls said running
+    f.figures["b_fill_waited_s"] = 0.52
+    assert dict(table_rows("c", f.figures))["B's fill before its first sleep"] == \
+        "1.00 GiB in 0.50 s, done (the check waited 0.52 s)"
+
+
+def test_a_fill_still_running_after_the_longest_wait_is_timed_as_it_is(tmp_path, monkeypatch):
+    monkeypatch.setattr(rotation, "FILL_POLL_S", 0.01)
+    monkeypatch.setattr(rotation, "FILL_WAIT_S", 0.05)
+    f = rotation_run(tmp_path, "--records", "--fill-running", "100000")
+    assert f.outcome()[0] == "pass", f.outcome()
+    assert [r["state"] for r in f.figures["b_fill_before_first_sleep"]] == ["running"]
+    assert 0.05 <= f.figures["b_fill_waited_s"] < 5
 
 
 def test_after_the_swaps_each_engine_times_the_map_calls_in_its_own_workers(tmp_path):

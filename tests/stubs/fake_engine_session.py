@@ -19,6 +19,12 @@ only on a GPU. Behaviour is chosen by flags:
                            sleep's copied and skipped bytes (the first sleep copies the
                            1 GiB of weights, a later one skips them), the last wake's
                            stages, and a background fill that is done
+  --fill-running N         with --records, the fill says it is running for the first N
+                           state calls
+  --cached-prefix-differs  a generate whose prompts are all in the prefix cache (generated
+                           since the last sleep or reset) gives other tokens from the third
+                           on, as a prefill from cached blocks can part from a full one at
+                           a near tie
 
 gc (one timed gc.collect() in every worker) answers one rank: 0.45 s, nothing frozen.
 """
@@ -34,14 +40,18 @@ import time
 # The "weights": an offset every token moves by; perturb changes it in place, a sleep backs
 # it up, a wake restores the backup.
 WEIGHTS = {"now": 0, "backup": None}
+CACHED: set[tuple[int, ...]] = set()  # the prompts the prefix cache holds
+STATE_CALLS = [0]
 POOL = 1 << 30
 # What the patched allocator records, answered with --records.
 RECORDS = {"last_sleep_copied_bytes": None, "last_sleep_skipped_bytes": None, "last_wake_up_stages": {},
            "background_fill": {"filled_bytes": POOL, "seconds": 0.5, "state": "done", "dropped": 0}}
 
 
-def tokens(prompts: list[list[int]], n: int) -> list[list[int]]:
-    return [[(sum(p) + i * 7 + WEIGHTS["now"]) % 32000 for i in range(n)] for p in prompts]
+def tokens(prompts: list[list[int]], n: int, cached_prefix_differs: bool = False) -> list[list[int]]:
+    hit = cached_prefix_differs and all(tuple(p) in CACHED for p in prompts)
+    CACHED.update(tuple(p) for p in prompts)
+    return [[(sum(p) + i * 7 + WEIGHTS["now"] + (hit and i >= 2)) % 32000 for i in range(n)] for p in prompts]
 
 
 def weights(cmd: str, args: dict, stale_wake: bool) -> dict:
@@ -78,9 +88,12 @@ def record(cmd: str) -> None:
                                           "copied_bytes": POOL}
 
 
-def answer(cmd: str, args: dict, records: bool) -> dict:
+def answer(cmd: str, args: dict, flags: argparse.Namespace) -> dict:
+    records = flags.records
     if cmd == "generate":
-        return {"tokens": tokens(args["prompts"], args["max_tokens"])}
+        return {"tokens": tokens(args["prompts"], args["max_tokens"], flags.cached_prefix_differs)}
+    if cmd in ("sleep", "reset"):
+        CACHED.clear()
     if cmd == "gc":  # one rank, its heap not frozen: pristine 0.21.0's worker after warm-up
         return {"ranks": [{"rank": 0, "pid": os.getpid(), "seconds": 0.45, "frozen": 0}]}
     if cmd == "maps" and records:  # one rank's map calls, as inject.map_call_times answers
@@ -88,7 +101,10 @@ def answer(cmd: str, args: dict, records: bool) -> dict:
                            "best_s": {"extension create_and_map": 0.0146, "map": 0.001}}]}
     if cmd == "state":
         tags = {"weights": {"allocations": 4, "bytes": POOL, "asleep": 0, "backed_up_bytes": 0}}
-        return {"tags": tags, "is_sleeping": False, **(RECORDS if records else {})}
+        STATE_CALLS[0] += 1
+        running = STATE_CALLS[0] <= flags.fill_running
+        fill = {**RECORDS["background_fill"], **({"state": "running"} if running else {})}
+        return {"tags": tags, "is_sleeping": False, **({**RECORDS, "background_fill": fill} if records else {})}
     record(cmd)
     return {}
 
@@ -100,6 +116,8 @@ def main() -> None:
     p.add_argument("--fail-start", action="store_true")
     p.add_argument("--stale-wake", action="store_true")
     p.add_argument("--records", action="store_true")
+    p.add_argument("--fill-running", type=int, default=0)
+    p.add_argument("--cached-prefix-differs", action="store_true")
     args = p.parse_args()
     print("fake engine: starting", file=sys.stderr, flush=True)
     if args.grandchild:
@@ -120,7 +138,7 @@ def main() -> None:
         if cmd == args.fail_on:
             reply = {"ok": False, "seconds": 0.01, "error": f"Exception: Call to {cmd} method failed: injected"}
         else:
-            reply = {"ok": True, "seconds": 0.01, **answer(cmd, request["args"], args.records),
+            reply = {"ok": True, "seconds": 0.01, **answer(cmd, request["args"], args),
                      **weights(cmd, request["args"], args.stale_wake)}
         print(json.dumps(reply), flush=True)
         if cmd == "exit":

@@ -42,7 +42,9 @@ scenarios (--scenario LETTER or NAME, repeatable; default all, --quick: a only):
                     and one gc.collect() in every worker, timed
   b  level2         sleep(2), wake, reload the weights (vLLM's reload_weights, else the
                     dummy loader again: it writes the same seeded values); tokens
-  c  rotation       two engines on one GPU, B starts while A sleeps, --swaps swaps;
+  c  rotation       two engines on one GPU, B starts while A sleeps, --swaps swaps
+                    (the first once B's background fill, where there is one, is no
+                    longer running: 120 s at most, the wait recorded);
                     first swap against steady ones, and against the ceilings; the
                     median steady swap against one H2D copy of a rank's weights at
                     the ceiling (reported, not judged); tokens;
@@ -60,7 +62,8 @@ scenarios (--scenario LETTER or NAME, repeatable; default all, --quick: a only):
   f  killed-worker  asleep; the last rank's worker is killed; the engine must say so
                     (calls fail, /health fails) within --timeout, never hang
   g  weight-changed sleep/wake; a weight (lm_head's rows) is changed in place on
-                    every rank; sleep/wake twice: the tokens must be the changed
+                    every rank, the prefix cache emptied and the changed weight's
+                    tokens taken; sleep/wake twice: the tokens must be the changed
                     weight's, never those before (a stale backup). Patched, a
                     sleep skips what is unchanged (on by default); with
                     VLLM_CUMEM_SKIP_UNCHANGED=0 in the engine's environment, and

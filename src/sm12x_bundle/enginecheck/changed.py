@@ -5,8 +5,9 @@ allocation whose GPU checksum equals the one taken with its host backup, which i
 across wakes. What it must never do: skip an allocation that changed since, so that the next
 wake restores the bytes as they were. Here the engine sleeps and wakes once (the backups
 and, with the skip on, their checksums exist), then a weight is changed in place on every
-rank (probe.Probe.sm12x_perturb: the lm_head rows rolled), the engine sleeps and wakes, and
-its tokens must be those of the changed weights; then once more with nothing changed.
+rank (probe.Probe.sm12x_perturb: the lm_head rows rolled), the prefix cache is emptied and
+the changed weights' tokens taken, the engine sleeps and wakes, and its tokens must be those
+of the changed weights; then once more with nothing changed.
 Without the skip every sleep copies everything and the scenario is a plain check.
 """
 
@@ -38,6 +39,10 @@ def change_a_weight(e: Engine, f: Finding, before: list[list[int]]) -> list[list
     """The weight changed on every rank, and the tokens it gives; a change that moves no token
     proves nothing (error: the scenario could not tell a stale wake from a good one)."""
     f.figures["perturb"] = e.must("perturb", "changing a weight in place", seed=SEED).get("ranks")
+    # The changed weight's tokens from a full prefill, as every generate after a sleep is
+    # (vLLM's sleep empties the prefix cache): a prefill that reads the prompts' cached
+    # blocks computes the rest in other shapes, and can part from a full one at a near tie.
+    e.must("reset", "emptying the prefix cache")
     after = e.generate("generate after the change")
     f.figures["changed"] = first_difference(before, after) is not None
     if not f.figures["changed"]:

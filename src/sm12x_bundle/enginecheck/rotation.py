@@ -3,7 +3,11 @@
 A starts, generates and sleeps (its first sleep, reported apart); B starts while A sleeps
 and generates; then each swap sleeps the engine awake and wakes the other, and the engine
 now awake generates: its tokens must equal its own first ones. The first swap holds B's
-first sleep; the steady swaps are the rest. A swap's time is the sleep's and the wake's
+first sleep; the steady swaps are the rest. Before it, the check waits (FILL_WAIT_S at
+most) until B's background fill is no longer running, as an operator's engine has served a
+while before its first swap; the wait and the fill's own seconds are recorded
+(``b_fill_waited_s``, ``b_fill_before_first_sleep``). A sleep that comes during the fill
+copies what the fill has not made (the allocator's tests; scenario g's first sleep). A swap's time is the sleep's and the wake's
 as the sessions timed vLLM's calls; the bytes it moves are what the sleeping engine
 offloaded (D2H) and what the waking one restores (H2D), set against the copy ceilings.
 After each swap (outside its timed calls) both allocators are asked what the sleep copied
@@ -41,12 +45,29 @@ def rotation(bench: Bench, tree: Tree) -> Finding:
         with bench.engine(tree, "pair", f"{tree.label}-rotation-B") as b:
             refs["B"] = b.generate("B's first generate")
             f.figures["host_b_awake"] = b.host_memory()
-            fills = per_rank(b.state(), "background_fill")
+            fills, f.figures["b_fill_waited_s"] = wait_for_fill(b)
             f.figures["b_fill_before_first_sleep"] = fills if any(fills) else None
             swaps(bench, f, {"A": a, "B": b}, refs)
             f.figures["map_calls"] = map_calls(bench, {"A": a, "B": b})
     rotation_figures(bench.ceilings, f.figures)
     return f
+
+
+FILL_WAIT_S = 120.0  # the longest the check waits for B's background fill
+FILL_POLL_S = 0.1
+
+
+def wait_for_fill(b: Engine) -> tuple[list, float]:
+    """B's background fill on each rank once no rank's is running (or after FILL_WAIT_S),
+    and the seconds waited; an allocator without a fill answers at once."""
+    start = time.perf_counter()
+    while True:
+        fills = per_rank(b.state(), "background_fill")
+        waited = time.perf_counter() - start
+        running = any(isinstance(r, dict) and r.get("state") == "running" for r in fills)
+        if not running or waited >= FILL_WAIT_S:
+            return fills, waited
+        time.sleep(FILL_POLL_S)
 
 
 def swaps(bench: Bench, f: Finding, engines: dict[str, Engine], refs: dict[str, list]) -> None:

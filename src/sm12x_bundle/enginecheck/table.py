@@ -151,14 +151,16 @@ def _n(n) -> str:
 
 def _fill(f: dict) -> str:
     """B's background fill before its first sleep: bytes summed over ranks, the slowest
-    rank's seconds, each state."""
+    rank's seconds, each state, and how long the check waited for it."""
     ranks = [r for r in f.get("b_fill_before_first_sleep") or [] if r]
     if not ranks:
         return "-"
     states = "/".join(dict.fromkeys(str(r.get("state")) for r in ranks))
     dropped = sum(r.get("dropped") or 0 for r in ranks)
+    waited = f.get("b_fill_waited_s")
     return (f"{_gib(sum(r.get('filled_bytes') or 0 for r in ranks))} in "
-            f"{_s(max(r.get('seconds') or 0.0 for r in ranks))}, {states}" + (f", {dropped} dropped" if dropped else ""))
+            f"{_s(max(r.get('seconds') or 0.0 for r in ranks))}, {states}" + (f", {dropped} dropped" if dropped else "")
+            + (f" (the check waited {_s(waited)})" if (waited or 0) >= 0.1 else ""))
 
 
 def _gc(f: dict) -> str:
