@@ -18,8 +18,8 @@ import sys
 import textwrap
 import time
 import zipfile
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -569,8 +569,6 @@ def test_the_changed_weights_tokens_come_from_a_full_prefill_as_every_generate_a
 
 def test_the_weight_change_rolls_lm_heads_rows_in_place_and_moves_every_greedy_token():
     torch = pytest.importorskip("torch")
-    from types import SimpleNamespace
-
     from sm12x_bundle.enginecheck import inject
 
     model = torch.nn.Module()
@@ -587,8 +585,6 @@ def test_the_weight_change_rolls_lm_heads_rows_in_place_and_moves_every_greedy_t
 
 
 def test_the_allocator_state_says_what_the_last_sleep_copied_where_the_allocator_records_it():
-    from types import SimpleNamespace
-
     from sm12x_bundle.enginecheck import inject
 
     skip = SimpleNamespace(last_sleep_copied_bytes=5, last_sleep_skipped_bytes=7, last_sleep_checksum_s=0.1)
@@ -608,8 +604,6 @@ def test_address_runs_count_the_back_to_back_ranges():
 
 
 def test_the_allocator_state_reports_the_background_fill_where_the_allocator_has_one():
-    from types import SimpleNamespace
-
     from sm12x_bundle.enginecheck import inject
 
     done = {"filled_bytes": 5, "seconds": 0.2, "state": "done", "dropped": 1}
@@ -622,8 +616,6 @@ def test_the_allocator_state_reports_the_background_fill_where_the_allocator_has
 
 def test_a_workers_gc_collect_is_timed_with_the_objects_frozen_out_of_it():
     import gc
-    from types import SimpleNamespace
-
     from sm12x_bundle.enginecheck import inject, probe
 
     loose = inject.gc_collect_time(SimpleNamespace(rank=1))
@@ -639,8 +631,6 @@ def test_a_workers_gc_collect_is_timed_with_the_objects_frozen_out_of_it():
 
 def test_the_api_session_times_gc_collect_on_every_rank_through_collective_rpc():
     import json
-    from types import SimpleNamespace
-
     from sm12x_bundle.enginecheck import session
 
     workers = [SimpleNamespace(rank=0), SimpleNamespace(rank=1)]
@@ -654,8 +644,6 @@ def test_the_api_session_times_the_map_calls_on_every_rank_and_the_probe_passes_
     import json
     import sys
     import types
-    from types import SimpleNamespace
-
     from sm12x_bundle.enginecheck import probe, session, vmm
 
     asked, beside = [], []
@@ -789,8 +777,6 @@ def test_after_the_swaps_each_engine_times_the_map_calls_in_its_own_workers(tmp_
 
 
 def test_with_several_ranks_the_map_calls_are_timed_on_every_rank_then_on_rank_0_alone():
-    from types import SimpleNamespace
-
     def one(rank, us):
         return {"rank": rank, "count": 200, "size": 12 << 20, "best_s": {
             "extension create_and_map": us * 2e-4,

@@ -23,8 +23,7 @@ only on a GPU. Behaviour is chosen by flags:
                            state calls
   --cached-prefix-differs  a generate whose prompts are all in the prefix cache (generated
                            since the last sleep or reset) gives other tokens from the third
-                           on, as a prefill from cached blocks can part from a full one at
-                           a near tie
+                           on, as pristine 0.33.0's engine gave at token 14 (2026-11-29)
 
 gc (one timed gc.collect() in every worker) answers one rank: 0.45 s, nothing frozen.
 """

@@ -40,8 +40,8 @@ def change_a_weight(e: Engine, f: Finding, before: list[list[int]]) -> list[list
     proves nothing (error: the scenario could not tell a stale wake from a good one)."""
     f.figures["perturb"] = e.must("perturb", "changing a weight in place", seed=SEED).get("ranks")
     # The changed weight's tokens from a full prefill, as every generate after a sleep is
-    # (vLLM's sleep empties the prefix cache): a prefill that reads the prompts' cached
-    # blocks computes the rest in other shapes, and can part from a full one at a near tie.
+    # (vLLM's sleep empties the prefix cache): taken with the prompts cached, pristine
+    # 0.33.0's reference parted from the tokens after the wakes at token 14 (2026-11-29).
     e.must("reset", "emptying the prefix cache")
     after = e.generate("generate after the change")
     f.figures["changed"] = first_difference(before, after) is not None

@@ -7,8 +7,8 @@ first sleep; the steady swaps are the rest. Before it, the check waits (FILL_WAI
 most) until B's background fill is no longer running, as an operator's engine has served a
 while before its first swap; the wait and the fill's own seconds are recorded
 (``b_fill_waited_s``, ``b_fill_before_first_sleep``). A sleep that comes during the fill
-copies what the fill has not made (the allocator's tests; scenario g's first sleep). A swap's time is the sleep's and the wake's
-as the sessions timed vLLM's calls; the bytes it moves are what the sleeping engine
+copies what the fill has not made (the allocator's tests; scenario g's first sleep).
+A swap's time is the sleep's and the wake's as the sessions timed vLLM's calls; the bytes it moves are what the sleeping engine
 offloaded (D2H) and what the waking one restores (H2D), set against the copy ceilings.
 After each swap (outside its timed calls) both allocators are asked what the sleep copied
 and skipped and what each stage of the wake took, and before the first swap what B's
@@ -59,15 +59,16 @@ FILL_POLL_S = 0.1
 
 def wait_for_fill(b: Engine) -> tuple[list, float]:
     """B's background fill on each rank once no rank's is running (or after FILL_WAIT_S),
-    and the seconds waited; an allocator without a fill answers at once."""
-    start = time.perf_counter()
+    and the seconds waited: 0.0 when the first look found none running (an allocator
+    without a fill, or one that is done)."""
+    start, waited = time.perf_counter(), 0.0
     while True:
         fills = per_rank(b.state(), "background_fill")
-        waited = time.perf_counter() - start
         running = any(isinstance(r, dict) and r.get("state") == "running" for r in fills)
         if not running or waited >= FILL_WAIT_S:
             return fills, waited
         time.sleep(FILL_POLL_S)
+        waited = time.perf_counter() - start
 
 
 def swaps(bench: Bench, f: Finding, engines: dict[str, Engine], refs: dict[str, list]) -> None:

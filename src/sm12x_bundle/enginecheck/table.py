@@ -160,7 +160,7 @@ def _fill(f: dict) -> str:
     waited = f.get("b_fill_waited_s")
     return (f"{_gib(sum(r.get('filled_bytes') or 0 for r in ranks))} in "
             f"{_s(max(r.get('seconds') or 0.0 for r in ranks))}, {states}" + (f", {dropped} dropped" if dropped else "")
-            + (f" (the check waited {_s(waited)})" if (waited or 0) >= 0.1 else ""))
+            + (f" (the check waited {_s(waited)})" if waited else ""))
 
 
 def _gc(f: dict) -> str:
