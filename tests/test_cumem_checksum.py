@@ -6,12 +6,14 @@ test_generated.py keeps them in step). Its pure-torch reference is checked again
 formula computed with Python integers, then against the changes a checksum must see
 (any bit, swapped elements, changes that keep a sum); the Triton kernel runs in Triton's
 CPU interpreter (TRITON_INTERPRET=1) and must give the reference's sums bit for bit, and it
-is built for sm_90 (no GPU needed) to check its loads and registers.
+is built for sm_90a and sm_120a (no GPU needed) to check its loads, registers and shared
+memory.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 import random
@@ -252,12 +254,12 @@ def test_triton_kernel_gives_the_reference_sums(ck):
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize(("block", "group"), [(16, 1), (16, 3), (64, 2)])
-def test_triton_kernel_over_many_blocks_and_spans(ck, block, group):
+@pytest.mark.parametrize(("block", "per_sm"), [(16, 1), (16, 3), (64, 2)])
+def test_triton_kernel_over_many_blocks_and_spans(ck, block, per_sm):
     """Small blocks: many blocks per span, programs of several blocks, a last program
     with fewer; every partial block and partial word the reference pads with zeros."""
     needs_kernel()
-    checksum = ck.Checksum(block=block, group=group)
+    checksum = ck.Checksum(block=block, per_sm=per_sm)
     bufs = [rand_bytes(n, n + block) for n in SMALL + [8 * block * 4 + 3]]
     got = checksum.sums([(b.data_ptr(), b.numel()) for b in bufs], "cpu")
     assert got.tolist() == [checksum.reference(b).tolist() for b in bufs]
@@ -270,24 +272,46 @@ def test_the_per_allocation_sums_scan_one_row_at_a_time(ck, monkeypatch):
     on an H200 that scan was the whole checksum's time (70.7 ms for 786,432 blocks, against
     0.072 ms for two 1-D scans; docs/records/checksum-cumsum-scan-h200-2026-11-27.txt)."""
     needs_kernel()
-    checksum = ck.Checksum(block=16, group=2)
+    checksum = ck.Checksum(block=16, per_sm=2)
     bufs = [rand_bytes(n, n + 7) for n in (5, 64 * 5 + 3, 64 * 9)]
     scanned = []
-    real = torch.Tensor.cumsum
+    for name in ("cumsum", "cumsum_"):
+        def spy(self, *args, real=getattr(torch.Tensor, name), **kwargs):
+            scanned.append(tuple(self.shape))
+            return real(self, *args, **kwargs)
 
-    def spy(self, *args, **kwargs):
-        scanned.append(tuple(self.shape))
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.Tensor, "cumsum", spy)
+        monkeypatch.setattr(torch.Tensor, name, spy)
     got = checksum.sums([(b.data_ptr(), b.numel()) for b in bufs], "cpu")
     assert scanned and all(len(shape) == 1 for shape in scanned), scanned
     monkeypatch.undo()
     assert got.tolist() == [checksum.reference(b).tolist() for b in bufs]
 
 
-BUILD_FOR_HOPPER = """
-import importlib.util, sys
+@pytest.mark.triton
+def test_a_sleep_after_the_first_uploads_the_keys_without_making_them_again(ck, monkeypatch):
+    """Every sleep uploads the keys anew (release() drops the device copies: a sleeping
+    process holds no GPU memory), but their host form, pinned for a GPU, is made once:
+    again only when K2 grows for a longer allocation."""
+    needs_kernel()
+    checksum = ck.Checksum(block=16, per_sm=2)
+    made = []
+    for name in ("_pairs_of", "_int32_bits"):
+        monkeypatch.setattr(ck, name, lambda keys, real=getattr(ck, name), name=name:
+                            made.append(name) or real(keys))
+    buf = rand_bytes(64 * 3, 3)
+    first = checksum.sums([(buf.data_ptr(), buf.numel())], "cpu")
+    once = list(made)
+    assert set(once) == {"_pairs_of", "_int32_bits"}
+    checksum.release()
+    assert checksum.sums([(buf.data_ptr(), buf.numel())], "cpu").tolist() == first.tolist()
+    assert made == once
+    longer = rand_bytes(64 * 2000, 4)  # 2000 blocks: more K2 keys than the first 1024
+    checksum.sums([(longer.data_ptr(), longer.numel())], "cpu")
+    assert made == once * 2
+
+
+BUILD = """
+import importlib.util, json, sys
 from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
@@ -295,41 +319,63 @@ from triton.compiler import ASTSource
 spec = importlib.util.spec_from_file_location("cumem_checksum", sys.argv[1])
 mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mod)
-pointers = ["addr_ptr", "nbytes_ptr", "index_ptr", "k1_ptr", "k2_ptr", "out_ptr"]
-signature = {"addr_ptr": "*i64", "nbytes_ptr": "*i32", "index_ptr": "*i32", "k1_ptr": "*i64",
-             "k2_ptr": "*i32", "k2_len": "i32", "out_ptr": "*i64", "nblocks": "i32",
-             "P": "constexpr", "PAIRS": "constexpr", "GROUP": "constexpr"}
-aligned = {(list(signature).index(n),): [["tt.divisibility", 16]] for n in pointers}
-source = ASTSource(fn=mod._block_values, signature=signature, attrs=aligned,
-                   constexprs={"P": mod.P, "PAIRS": mod.BLOCK // 2, "GROUP": mod.GROUP})
-built = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": mod.NUM_WARPS})
-Path(sys.argv[2], "kernel.ptx").write_text(built.asm["ptx"])
-Path(sys.argv[2], "kernel.cubin").write_bytes(built.asm["cubin"])
-Path(sys.argv[2], "unspecialized").write_text(
-    " ".join(p.name for p in mod._block_values.params if p.do_not_specialize))
+out, capability = Path(sys.argv[2]), int(sys.argv[3])
+common = {"k1_ptr": "*i64", "k2_ptr": "*i32", "k2_len": "i32", "out_ptr": "*i64",
+          "nblocks": "i32", "P": "constexpr", "PAIRS": "constexpr"}
+kernels = {
+    "whole": (mod._whole_values, {"addr_ptr": "*i64", "index_ptr": "*i32", **common,
+                                  "STAGES": "constexpr"}, {"STAGES": mod.STAGES}),
+    "partial": (mod._partial_values, {"addr_ptr": "*i64", "nbytes_ptr": "*i32",
+                                      "index_ptr": "*i32", **common}, {}),
+}
+shared = {}
+for name, (fn, signature, extra) in kernels.items():
+    aligned = {(list(signature).index(n),): [["tt.divisibility", 16]]
+               for n in signature if n.endswith("_ptr")}
+    source = ASTSource(fn=fn, signature=signature, attrs=aligned,
+                       constexprs={"P": mod.P, "PAIRS": mod.BLOCK // 2, **extra})
+    built = triton.compile(source, target=GPUTarget("cuda", capability, 32),
+                           options={"num_warps": mod.NUM_WARPS})
+    (out / f"{name}.ptx").write_text(built.asm["ptx"])
+    (out / f"{name}.cubin").write_bytes(built.asm["cubin"])
+    shared[name] = built.metadata.shared
+    (out / f"{name}.unspecialized").write_text(
+        " ".join(p.name for p in fn.params if p.do_not_specialize))
+(out / "shared.json").write_text(json.dumps(shared))
 """
+
+# SM12x gives a block at most 99 KiB of shared memory (compute capability 12.x; the
+# sparse-MLA kernels hold to the same SM120_MAX_SHARED_BYTES).
+SM12X_SHARED = 99 * 1024
 
 
 @pytest.mark.triton
-def test_the_kernel_builds_for_hopper_with_16_byte_loads_and_no_local_memory(tmp_path):
-    """Built for sm_90 without a GPU (Triton's own ptxas, in a process of its own: this one
-    interprets), at the module's launch shape: a whole block's data is read with 16-byte
-    loads marked evict-first (the addresses come from descriptors: only the alignment hint
-    tells the compiler they are 16-byte aligned), and no thread spills to local memory.
-    The block counts are not specialized on: the kernel built at warm-up (one block)
-    serves every sleep, with no build inside one."""
+@pytest.mark.parametrize("capability", [90, 120])
+def test_the_kernels_build_with_16_byte_loads_no_spills_and_sm12x_shared_memory(tmp_path, capability):
+    """Built for sm_90a and sm_120a without a GPU (Triton's own ptxas, in a process of its
+    own: this one interprets), at the module's launch shape. A whole block's data is read
+    with 16-byte copies (the addresses come from descriptors: only the alignment hint
+    tells the compiler they are 16-byte aligned), into the shared memory that holds the
+    blocks in flight (STAGES); no thread spills to local memory; the shared memory fits
+    an SM12x block. The block counts are not specialized on: the kernels built at
+    warm-up (one block) serve every sleep, with no build inside one."""
     triton = needs.module("triton")
     cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
     if not cuobjdump.is_file():
         needs.missing("Triton's cuobjdump")
     env = {**os.environ, "TRITON_INTERPRET": "0"}  # a kernel to compile, not to interpret
-    subprocess.run([sys.executable, "-c", BUILD_FOR_HOPPER, str(SOURCE), str(tmp_path)],
+    subprocess.run([sys.executable, "-c", BUILD, str(SOURCE), str(tmp_path), str(capability)],
                    env=env, check=True)
-    assert "ld.global.L1::evict_first.L2::cache_hint.v2.b64" in (tmp_path / "kernel.ptx").read_text()
-    usage = subprocess.run([str(cuobjdump), "-res-usage", str(tmp_path / "kernel.cubin")],
-                           capture_output=True, text=True, check=True).stdout
-    assert re.search(r"REG:\d+ STACK:0 SHARED:\d+ LOCAL:0 ", usage), usage
-    assert (tmp_path / "unspecialized").read_text() == "k2_len nblocks"
+    whole = (tmp_path / "whole.ptx").read_text()
+    assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 0x10", whole) or \
+        "ld.global.L1::evict_first.L2::cache_hint.v2.b64" in whole, "no 16-byte data loads"
+    shared = json.loads((tmp_path / "shared.json").read_text())
+    assert 0 < shared["whole"] <= SM12X_SHARED, shared
+    for name in ("whole", "partial"):
+        usage = subprocess.run([str(cuobjdump), "-res-usage", str(tmp_path / f"{name}.cubin")],
+                               capture_output=True, text=True, check=True).stdout
+        assert re.search(r"REG:\d+ STACK:0 SHARED:\d+ LOCAL:0 ", usage), usage
+        assert (tmp_path / f"{name}.unspecialized").read_text() == "k2_len nblocks"
 
 
 def test_unaligned_spans_use_the_reference(ck, monkeypatch):

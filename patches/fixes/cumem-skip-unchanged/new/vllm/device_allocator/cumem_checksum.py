@@ -64,13 +64,19 @@ reduced mod p per block (< 2^32); the block values are summed per allocation in
 int64 (exact up to 2^31 blocks) and reduced. The Triton kernel and the pure-torch
 reference compute the same function bit for bit.
 
-The kernel reads each byte once (on an H200, 2026-11-27: 12 GiB in 4.4 ms, 2.9 TB/s,
-0.69 of a device-to-device copy's traffic; bench/checksum_bench.py): a grid over every block of every allocation of
-the sleep (one launch; one descriptor per block: address, bytes, block index), each
-program taking GROUP blocks with both K1 tables held in registers as 64-bit pairs
-(m_{2i} | m_{2i+1} << 32: 16-byte vector loads of the data), a 32x32->64
-multiply-add per pair, one reduction per block, then the outer layer. The
-per-allocation sums are a cumsum over the blocks' values, one 1-D scan per hash.
+The kernels read each byte once (on an H200, 2026-11-29, bench/checksum_bench.py: the
+whole call over 12 GiB in 3.2 ms, 4.0 TB/s, 0.93 of a device-to-device copy's traffic;
+3.9-4.2 ms over 12 GiB in 28 MiB spans as a sleep makes the call, with the keys' device
+copies and torch's cache gone). The whole blocks of
+every allocation of the sleep go to one launch (one descriptor per block: address,
+block index) of a few programs per SM; each holds both K1 tables in registers as
+64-bit pairs (m_{2i} | m_{2i+1} << 32) and takes every num_programs-th block, its data
+read in 16-byte copies with the next blocks' copies in flight (Triton's pipelined
+loop) while it sums one: a 32x32->64 multiply-add per pair, one reduction per block,
+then the outer layer. An allocation's partial last block, where there is one (never
+for a cumem allocation: its length is a multiple of the 2 MiB granularity), goes to a
+second launch, one program each. The per-allocation sums are a cumsum over the whole
+blocks' values, one 1-D scan per hash, plus the partial block's value.
 """
 
 from __future__ import annotations
@@ -98,12 +104,15 @@ P = (1 << 32) - 5  # prime
 HASHES = 2
 PIECES = 4  # 16-bit pieces of a block's 64-bit NH value: four K2 keys per block
 # The launch shape; bench/checksum_bench.py sweeps them (block size changes the
-# function, not its strength: keys are per instance).
-# The fastest of the sweep on an H200 (2026-11-27): 2.04 TB/s over 1 GiB, against
-# 1.11-1.86 TB/s for the other eleven shapes.
+# function, not its strength: keys are per instance). Its two sweeps over 12 GiB on an
+# H200 (2026-11-29): 4096 words, 4 warps and 3 blocks in flight the fastest; 4, 8 and
+# 16 programs per SM within the runs' noise of each other (the kernel alone 4.27-4.38
+# TB/s), 8 the fastest in the first. Not measured on an SM12x card, where the shared
+# memory of 3 blocks in flight lets fewer programs share an SM.
 BLOCK = 4096  # 32-bit words per block (16 KiB): the length of K1
 NUM_WARPS = 4
-GROUP = 4  # blocks per program
+PER_SM = 8  # programs per SM for the whole blocks
+STAGES = 3  # whole blocks in flight per program
 MASK32 = 0xFFFFFFFF
 
 
@@ -117,7 +126,7 @@ def _env(name: str, default: str) -> str:
 
 
 def enabled() -> bool:
-    # On unless turned off. The kernel is fast enough to pay (12 GiB in 4.4 ms on an
+    # On unless turned off. The kernel is fast enough to pay (12 GiB in 3.2-4.2 ms on an
     # H200, against 0.23 s to copy them to the host), and a weight changed in place
     # between wake and sleep reached the next wake's tokens in both lanes' engines at
     # TP=1 and in 0.21.0's at TP=2. The backup pool holds the offloaded bytes pinned
@@ -163,20 +172,25 @@ if triton is not None:
         return stored.to(tl.uint32, bitcast=True).to(tl.int64)
 
     @triton.jit
-    def _pairs(addr, nb, i, PAIRS: tl.constexpr):
-        """A block's words as uint64 pairs m_2i | m_2i+1 << 32, zero padded."""
+    def _whole(addr, i, PAIRS: tl.constexpr):
+        """A whole block's words as uint64 pairs m_2i | m_2i+1 << 32, in 16-byte
+        loads (read once: evict-first; in the pipelined loop, 16-byte asynchronous
+        copies through shared memory)."""
         pairs = tl.multiple_of(addr.to(tl.pointer_type(tl.uint64)), 16)
-        if nb == 8 * PAIRS:  # a whole block: unmasked 16-byte loads
-            x = tl.load(pairs + i, eviction_policy="evict_first")  # read once
-        else:  # an allocation's last block: the bytes after the last whole pair
-            full = nb // 8  # are read one by one into a zero-padded pair
-            x = tl.load(pairs + i, mask=i < full, other=0)
-            j = tl.arange(0, 8)
-            tail = tl.load(addr.to(tl.pointer_type(tl.uint8)) + full * 8 + j,
-                           mask=j < nb - full * 8, other=0)
-            word = tl.sum(tail.to(tl.uint64) << (8 * j).to(tl.uint64), axis=0)
-            x = tl.where(i == full, word, x)
-        return x
+        return tl.load(pairs + i, eviction_policy="evict_first")
+
+    @triton.jit
+    def _partial(addr, nb, i, PAIRS: tl.constexpr):
+        """An allocation's last block, nb < 8 * PAIRS bytes, as pairs zero padded:
+        the bytes after the last whole pair are read one by one."""
+        pairs = tl.multiple_of(addr.to(tl.pointer_type(tl.uint64)), 16)
+        full = nb // 8
+        x = tl.load(pairs + i, mask=i < full, other=0)
+        j = tl.arange(0, 8)
+        tail = tl.load(addr.to(tl.pointer_type(tl.uint8)) + full * 8 + j,
+                       mask=j < nb - full * 8, other=0)
+        word = tl.sum(tail.to(tl.uint64) << (8 * j).to(tl.uint64), axis=0)
+        return tl.where(i == full, word, x)
 
     @triton.jit
     def _nh(x, k):
@@ -194,45 +208,69 @@ if triton is not None:
         pieces = ((nh >> shifts) & 0xFFFF).to(tl.int64)
         return tl.sum(pieces * keys, axis=0) % P
 
-    # Not specialized on the counts' values (1, multiples of 16): the kernel built at
-    # warm-up serves every sleep, with no build inside one.
+    # Not specialized on the counts' values (1, multiples of 16): the kernels built
+    # at warm-up serve every sleep, with no build inside one.
     @triton.jit(do_not_specialize=["k2_len", "nblocks"])
-    def _block_values(addr_ptr, nbytes_ptr, index_ptr, k1_ptr, k2_ptr, k2_len,
-                      out_ptr, nblocks, P: tl.constexpr, PAIRS: tl.constexpr,
-                      GROUP: tl.constexpr):
-        """out[h, t] = the outer layer of block t's NH value for hash h; GROUP
-        consecutive blocks per program, K1 loaded once."""
+    def _whole_values(addr_ptr, index_ptr, k1_ptr, k2_ptr, k2_len, out_ptr, nblocks,
+                      P: tl.constexpr, PAIRS: tl.constexpr, STAGES: tl.constexpr):
+        """out[h, 1 + t] = the outer layer of whole block t's NH value for hash h
+        (rows of nblocks + 1: the scan that follows needs a zero before them). A few
+        programs per SM, each taking every num_programs-th block with K1 loaded once
+        into registers (a program of 4 blocks, as before, re-read 32 KiB of keys for
+        every 64 KiB of data), the next blocks' loads issued while one is summed
+        (STAGES)."""
         i = tl.arange(0, PAIRS)
         ka = tl.load(k1_ptr + i).to(tl.uint64, bitcast=True)
         kb = tl.load(k1_ptr + PAIRS + i).to(tl.uint64, bitcast=True)
         q = tl.arange(0, 4)  # PIECES
-        for g in tl.static_range(GROUP):
-            t = tl.program_id(0).to(tl.int64) * GROUP + g
-            if t < nblocks:
-                row = k2_ptr + 4 * tl.load(index_ptr + t).to(tl.int64) + q
-                k2a = _key(tl.load(row))  # loaded first: their latency overlaps
-                k2b = _key(tl.load(row + 4 * k2_len))  # the data's
-                x = _pairs(tl.load(addr_ptr + t), tl.load(nbytes_ptr + t), i, PAIRS)
-                tl.store(out_ptr + t, _outer(_nh(x, ka), k2a, P))
-                tl.store(out_ptr + nblocks + t, _outer(_nh(x, kb), k2b, P))
+        for t in tl.range(tl.program_id(0), nblocks, tl.num_programs(0),
+                          num_stages=STAGES):
+            row = k2_ptr + 4 * tl.load(index_ptr + t).to(tl.int64) + q
+            k2a = _key(tl.load(row))
+            k2b = _key(tl.load(row + 4 * k2_len))
+            x = _whole(tl.load(addr_ptr + t), i, PAIRS)
+            tl.store(out_ptr + 1 + t, _outer(_nh(x, ka), k2a, P))
+            tl.store(out_ptr + nblocks + 2 + t, _outer(_nh(x, kb), k2b, P))
+
+    @triton.jit(do_not_specialize=["k2_len", "nblocks"])
+    def _partial_values(addr_ptr, nbytes_ptr, index_ptr, k1_ptr, k2_ptr, k2_len,
+                        out_ptr, nblocks, P: tl.constexpr, PAIRS: tl.constexpr):
+        """The same for partial blocks, one program each: an allocation's last block
+        when its length is not a whole number of blocks (never a cumem allocation,
+        whose length is a multiple of the 2 MiB granularity)."""
+        i = tl.arange(0, PAIRS)
+        t = tl.program_id(0)
+        row = k2_ptr + 4 * tl.load(index_ptr + t).to(tl.int64) + tl.arange(0, 4)
+        x = _partial(tl.load(addr_ptr + t), tl.load(nbytes_ptr + t), i, PAIRS)
+        ka = tl.load(k1_ptr + i).to(tl.uint64, bitcast=True)
+        kb = tl.load(k1_ptr + PAIRS + i).to(tl.uint64, bitcast=True)
+        tl.store(out_ptr + t, _outer(_nh(x, ka), _key(tl.load(row)), P))
+        tl.store(out_ptr + nblocks + t,
+                 _outer(_nh(x, kb), _key(tl.load(row + 4 * k2_len)), P))
 
 
 class Checksum:
     """Two keyed checksums of byte spans in device memory, keys of this process.
-    ``block`` (32-bit words per block, a power of two >= 16), ``num_warps`` and
-    ``group`` (blocks per program) shape the kernel; ``block`` also picks the function,
-    so sums are compared only between sums of one instance."""
+    ``block`` (32-bit words per block, a power of two >= 16), ``num_warps``,
+    ``per_sm`` (programs per SM) and ``stages`` (blocks in flight per program) shape
+    the kernels; ``block`` also picks the function, so sums are compared only between
+    sums of one instance."""
 
     def __init__(self, block: int = BLOCK, num_warps: int = NUM_WARPS,
-                 group: int = GROUP, use_triton: bool | None = None) -> None:
+                 per_sm: int = PER_SM, stages: int = STAGES,
+                 use_triton: bool | None = None) -> None:
         if block < 16 or block & (block - 1):
             raise ValueError(f"block must be a power of two >= 16, not {block}")
-        self.block, self.num_warps, self.group = block, num_warps, group
+        self.block, self.num_warps = block, num_warps
+        self.per_sm, self.stages = per_sm, stages
         self.k1 = random_words(HASHES * block).view(HASHES, block)
         self.k2 = uniform_keys(HASHES * 1024 * PIECES).view(HASHES, 1024, PIECES)
         self.use_triton = triton is not None if use_triton is None else use_triton
         self.view = device_view  # tests stand in for device memory here
         self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        # The keys as the kernels read them, on the host (pinned for a GPU): made once
+        # (again when K2 grows), not at every sleep.
+        self._on_host: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._layout: tuple[object, list[torch.Tensor]] = (None, [])
 
     def release(self) -> None:
@@ -247,13 +285,17 @@ class Checksum:
             extra = uniform_keys(HASHES * more * PIECES).view(HASHES, more, PIECES)
             self.k2 = torch.cat([self.k2, extra], dim=1)
             self._on_device.clear()
+            self._on_host.clear()
 
     def _keys_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """K1 as int64 pairs (word 2i in the low half: the data's layout), K2 as
         the int32 bits of each key."""
+        if device.type not in self._on_host:
+            self._on_host[device.type] = (_pinned(_pairs_of(self.k1), device),
+                                          _pinned(_int32_bits(self.k2), device))
         if device not in self._on_device:
-            self._on_device[device] = (_upload(_pairs_of(self.k1), device),
-                                       _upload(_int32_bits(self.k2), device))
+            self._on_device[device] = tuple(_upload(k, device)
+                                            for k in self._on_host[device.type])
         return self._on_device[device]
 
     def sums(self, spans: Sequence[tuple[int, int]], device) -> torch.Tensor:
@@ -300,21 +342,31 @@ class Checksum:
 
     def _kernel_sums(self, spans: Sequence[tuple[int, int]],
                      device: torch.device) -> torch.Tensor:
-        addrs, nbytes, index, ends = (_upload(x, device) for x in self.lay_out(spans, device))
+        (addrs, index, starts, ends, cut_addrs, cut_bytes, cut_index,
+         cut_span) = (_upload(x, device) for x in self.lay_out(spans, device))
         k1, k2 = self._keys_on(device)
-        nblocks = addrs.numel()
-        out = torch.empty(HASHES, nblocks, dtype=torch.int64, device=device)
-        grid = (-(-nblocks // self.group),)
-        _block_values[grid](addrs, nbytes, index, k1, k2, k2.shape[1], out, nblocks,
-                            P=P, PAIRS=self.block // 2, GROUP=self.group,
-                            num_warps=self.num_warps)
-        # One scan per hash, each over a contiguous row: torch scans a 1-D tensor in
-        # parallel, but a [blocks, 2] tensor along dim 0 one row after another (about
-        # 0.1 us a block on an H200: the whole checksum's time, whatever the kernel).
-        total = torch.stack([torch.cat([row.new_zeros(1), row.cumsum(0)]) for row in out],
-                            dim=1)
-        starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-        return (total[ends] - total[starts]) % P
+        shape = {"P": P, "PAIRS": self.block // 2, "num_warps": self.num_warps}
+        whole = torch.empty(HASHES, addrs.numel() + 1, dtype=torch.int64, device=device)
+        whole[:, 0] = 0
+        if addrs.numel():
+            grid = (min(addrs.numel(), self.per_sm * _sms(device)),)
+            _whole_values[grid](addrs, index, k1, k2, k2.shape[1], whole, addrs.numel(),
+                                STAGES=self.stages, **shape)
+        # One scan per hash, in place, each over a contiguous row: torch scans a 1-D
+        # tensor in parallel, but a [blocks, 2] tensor along dim 0 one row after
+        # another (about 0.1 us a block on an H200: the whole checksum's time, whatever
+        # the kernel). In place, because a sleep allocates what it uses anew: the
+        # cache was emptied by the sleep before.
+        for row in whole:
+            row.cumsum_(0)
+        sums = (whole[:, ends] - whole[:, starts]).t()
+        if cut_addrs.numel():  # each span's partial last block, where it has one
+            cut = torch.empty(HASHES, cut_addrs.numel(), dtype=torch.int64, device=device)
+            _partial_values[(cut_addrs.numel(),)](cut_addrs, cut_bytes, cut_index, k1, k2,
+                                                  k2.shape[1], cut, cut_addrs.numel(),
+                                                  **shape)
+            sums.index_add_(0, cut_span, cut.t())
+        return sums % P
 
 
 def _words(chunk: torch.Tensor, block: int) -> torch.Tensor:
@@ -373,17 +425,33 @@ def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _descriptors(spans: Sequence[tuple[int, int]], block_bytes: int):
-    """One entry per block of every span: its address, its bytes, its index in the
-    span; and the end (exclusive, in blocks) of each span's run of blocks."""
-    counts = torch.tensor([_blocks(n, block_bytes) for _, n in spans], dtype=torch.int64)
+    """The kernels' descriptors. Every whole block of every span, in the spans'
+    order: its address and its index in its span, and where each span's run starts
+    and ends (exclusive) in that list. Then each partial last block (a span whose
+    length is not a whole number of blocks): its address, bytes, index in its span,
+    and the span."""
+    base = torch.tensor([a for a, _ in spans], dtype=torch.int64)
+    size = torch.tensor([n for _, n in spans], dtype=torch.int64)
+    counts = size // block_bytes
     ends = counts.cumsum(0)
     span = torch.repeat_interleave(torch.arange(len(spans)), counts)
     index = torch.arange(int(ends[-1])) - (ends - counts)[span]
-    base = torch.tensor([a for a, _ in spans], dtype=torch.int64)[span]
-    size = torch.tensor([n for _, n in spans], dtype=torch.int64)[span]
-    offset = index * block_bytes
-    nbytes = torch.clamp(size - offset, max=block_bytes)
-    return base + offset, nbytes.to(torch.int32), index.to(torch.int32), ends
+    cut = torch.nonzero(size % block_bytes).flatten()
+    return (base[span] + index * block_bytes, index.to(torch.int32), ends - counts, ends,
+            base[cut] + counts[cut] * block_bytes, (size[cut] % block_bytes).to(torch.int32),
+            counts[cut].to(torch.int32), cut)
+
+
+_SMS: dict[torch.device, int] = {}
+
+
+def _sms(device: torch.device) -> int:
+    """The device's SM count (one where the kernels are interpreted on the CPU)."""
+    if device.type != "cuda":
+        return 1
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
 
 
 class SkipUnchanged:
