@@ -154,12 +154,8 @@ def whole_kernel(ck, checksum, spans, device):
     """The whole blocks' launch alone, on descriptors already on the device: what the
     kernel reads per second, without the call's uploads, scan and read-back."""
     addrs, index, *_ = (ck._upload(x, device) for x in checksum.lay_out(spans, device))
-    k1, k2 = checksum._keys_on(device)
     out = torch.empty(ck.HASHES, addrs.numel() + 1, dtype=torch.int64, device=device)
-    grid = (min(addrs.numel(), checksum.per_sm * ck._sms(device)),)
-    return lambda: ck._whole_values[grid](addrs, index, k1, k2, k2.shape[1], out, addrs.numel(),
-                                          P=ck.P, PAIRS=checksum.block // 2, STAGES=checksum.stages,
-                                          num_warps=checksum.num_warps)
+    return lambda: checksum.whole_values(addrs, index, out, device)
 
 
 if __name__ == "__main__":

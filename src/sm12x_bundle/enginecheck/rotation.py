@@ -8,8 +8,9 @@ most) until B's background fill is no longer running, as an operator's engine ha
 while before its first swap; the wait and the fill's own seconds are recorded
 (``b_fill_waited_s``, ``b_fill_before_first_sleep``). A sleep that comes during the fill
 copies what the fill has not made (the allocator's tests; scenario g's first sleep).
-A swap's time is the sleep's and the wake's as the sessions timed vLLM's calls; the bytes it moves are what the sleeping engine
-offloaded (D2H) and what the waking one restores (H2D), set against the copy ceilings.
+A swap's time is the sleep's and the wake's as the sessions timed vLLM's calls; the bytes
+it moves are what the sleeping engine offloaded (D2H) and what the waking one restores
+(H2D), set against the copy ceilings.
 After each swap (outside its timed calls) both allocators are asked what the sleep copied
 and skipped and what each stage of the wake took, and before the first swap what B's
 background fill had done; an allocator that keeps no such record gives None. After the

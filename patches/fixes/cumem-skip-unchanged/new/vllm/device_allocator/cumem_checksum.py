@@ -107,8 +107,8 @@ PIECES = 4  # 16-bit pieces of a block's 64-bit NH value: four K2 keys per block
 # function, not its strength: keys are per instance). Its two sweeps over 12 GiB on an
 # H200 (2026-11-29): 4096 words, 4 warps and 3 blocks in flight the fastest; 4, 8 and
 # 16 programs per SM within the runs' noise of each other (the kernel alone 4.27-4.38
-# TB/s), 8 the fastest in the first. Not measured on an SM12x card, where the shared
-# memory of 3 blocks in flight lets fewer programs share an SM.
+# TB/s), 8 the fastest in the first. Not measured on an SM12x card: there the shape
+# was only built (3 blocks in flight fit its 99 KiB of shared memory a block).
 BLOCK = 4096  # 32-bit words per block (16 KiB): the length of K1
 NUM_WARPS = 4
 PER_SM = 8  # programs per SM for the whole blocks
@@ -173,9 +173,9 @@ if triton is not None:
 
     @triton.jit
     def _whole(addr, i, PAIRS: tl.constexpr):
-        """A whole block's words as uint64 pairs m_2i | m_2i+1 << 32, in 16-byte
-        loads (read once: evict-first; in the pipelined loop, 16-byte asynchronous
-        copies through shared memory)."""
+        """A whole block's words as uint64 pairs m_2i | m_2i+1 << 32, read once
+        (the evict-first hint) in 16 bytes at a time: in the pipelined loop, 16-byte
+        asynchronous copies through shared memory."""
         pairs = tl.multiple_of(addr.to(tl.pointer_type(tl.uint64)), 16)
         return tl.load(pairs + i, eviction_policy="evict_first")
 
@@ -344,14 +344,9 @@ class Checksum:
                      device: torch.device) -> torch.Tensor:
         (addrs, index, starts, ends, cut_addrs, cut_bytes, cut_index,
          cut_span) = (_upload(x, device) for x in self.lay_out(spans, device))
-        k1, k2 = self._keys_on(device)
-        shape = {"P": P, "PAIRS": self.block // 2, "num_warps": self.num_warps}
         whole = torch.empty(HASHES, addrs.numel() + 1, dtype=torch.int64, device=device)
         whole[:, 0] = 0
-        if addrs.numel():
-            grid = (min(addrs.numel(), self.per_sm * _sms(device)),)
-            _whole_values[grid](addrs, index, k1, k2, k2.shape[1], whole, addrs.numel(),
-                                STAGES=self.stages, **shape)
+        self.whole_values(addrs, index, whole, device)
         # One scan per hash, in place, each over a contiguous row: torch scans a 1-D
         # tensor in parallel, but a [blocks, 2] tensor along dim 0 one row after
         # another (about 0.1 us a block on an H200: the whole checksum's time, whatever
@@ -361,12 +356,26 @@ class Checksum:
             row.cumsum_(0)
         sums = (whole[:, ends] - whole[:, starts]).t()
         if cut_addrs.numel():  # each span's partial last block, where it has one
+            k1, k2 = self._keys_on(device)
             cut = torch.empty(HASHES, cut_addrs.numel(), dtype=torch.int64, device=device)
             _partial_values[(cut_addrs.numel(),)](cut_addrs, cut_bytes, cut_index, k1, k2,
-                                                  k2.shape[1], cut, cut_addrs.numel(),
-                                                  **shape)
+                                                  k2.shape[1], cut, cut_addrs.numel(), P=P,
+                                                  PAIRS=self.block // 2,
+                                                  num_warps=self.num_warps)
             sums.index_add_(0, cut_span, cut.t())
         return sums % P
+
+    def whole_values(self, addrs: torch.Tensor, index: torch.Tensor, out: torch.Tensor,
+                     device: torch.device) -> None:
+        """The whole blocks' launch (descriptors on ``device``) into ``out``, [2, blocks
+        + 1]; bench/checksum_bench.py times it alone."""
+        if not addrs.numel():
+            return
+        k1, k2 = self._keys_on(device)
+        grid = (min(addrs.numel(), self.per_sm * _sms(device)),)
+        _whole_values[grid](addrs, index, k1, k2, k2.shape[1], out, addrs.numel(), P=P,
+                            PAIRS=self.block // 2, STAGES=self.stages,
+                            num_warps=self.num_warps)
 
 
 def _words(chunk: torch.Tensor, block: int) -> torch.Tensor:
