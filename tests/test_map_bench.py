@@ -342,3 +342,74 @@ def test_the_shared_handle_bench_help_names_its_ways():
     out = subprocess.run([sys.executable, str(SHARED_BENCH), "--help"], capture_output=True, text=True,
                          check=True).stdout
     assert "hinted run, one handle" in out and "currently must be zero" in out and "--chunk-mib" in out
+
+
+def test_the_wake_bench_reads_orders_and_pauses_and_refuses_bad_ones():
+    import argparse
+
+    mod = load_wake_bench()
+    names = "as-is,maps-first,kv-after-copies,group4,kernel30,maps-first-kernel10"
+    assert mod.orders(names) == names.split(",")
+    for bad in ("kernel0", "kernel101", "maps-first-group4", "group0", "sideways"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected as-is"):
+            mod.order(bad)
+    assert mod.pauses("0,10,30") == [0.0, 10.0, 30.0]
+    for bad in ("-1", "ten"):
+        with pytest.raises(argparse.ArgumentTypeError, match="negative|milliseconds"):
+            mod.pauses(bad)
+
+
+class _Cumem:
+    """A tree's cumem module as use_order sees it: the allocator's own wake, recorded."""
+
+    class CallTimes:
+        pass
+
+    def __init__(self):
+        calls = self.calls = []
+
+        class CuMemAllocator:
+            def _map_and_copy_back(self, restored, emptied, woken):
+                calls.append((list(restored), list(emptied)))
+                return {"copy_s": 0.5 if restored else 0.0, "copied_bytes": len(restored),
+                        "map_emptied_s": 0.1 * len(emptied), "emptied": len(emptied)}
+
+        self.CuMemAllocator = CuMemAllocator
+
+
+def test_kv_after_copies_is_the_trees_own_wake_of_the_backups_then_of_the_rest():
+    mod = load_wake_bench()
+    cumem = _Cumem()
+    own = cumem.CuMemAllocator._map_and_copy_back
+    mod.use_order(cumem, "kv-after-copies")
+    stages = cumem.CuMemAllocator()._map_and_copy_back(["w1", "w2"], ["kv"], [])
+    assert cumem.calls == [(["w1", "w2"], []), ([], ["kv"])]
+    assert stages["copy_s"] == 0.5 and stages["copied_bytes"] == 2 and stages["map_emptied_s"] == 0.1
+    mod.use_order(cumem, "as-is")  # the tree's own wake again, not the bench's
+    assert cumem.CuMemAllocator._map_and_copy_back is own
+    mod.use_order(cumem, "maps-first")
+    assert cumem.CuMemAllocator._map_and_copy_back is not own
+    mod.use_order(cumem, "as-is")
+    assert cumem.CuMemAllocator._map_and_copy_back is own
+
+
+def test_the_wake_bench_help_names_the_other_engine_and_the_pauses():
+    out = subprocess.run([sys.executable, str(WAKE_BENCH), "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "engine" in out and "--pause-ms" in out and "--other-sleep" in out and "kv-after-copies" in out
+
+
+CHECKSUM_SLEEP_BENCH = BENCH.parent / "cumem_checksum_sleep_bench.py"
+
+
+def test_the_checksum_sleep_bench_says_what_it_times_and_refuses_a_bad_pause(tmp_path):
+    out = subprocess.run([sys.executable, str(CHECKSUM_SLEEP_BENCH), "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "after a wake" in out and "--pauses" in out
+    run = subprocess.run([sys.executable, str(CHECKSUM_SLEEP_BENCH), str(tmp_path), "--pauses", "0,-1"],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "a pause cannot be negative" in run.stderr
+    assert "Traceback" not in run.stderr and list(tmp_path.iterdir()) == []
+    mod = load_bench(CHECKSUM_SLEEP_BENCH)
+    assert mod.ms([0.001, 0.003, 0.002]) == {"median_ms": 2.0, "min_ms": 1.0, "max_ms": 3.0,
+                                             "all_ms": [1.0, 3.0, 2.0]}
