@@ -22,8 +22,9 @@ find what it need not copy (``SkipUnchanged.unchanged``):
   the read back);
 - ``after a wake``: for each PAUSE (seconds), REPS times: sleep, wake, the pause, then the
   call as a sleep makes it (``first``) and the same call again at once (``again``). A
-  ``first`` longer than ``again`` at every pause is paid by the first reads of memory the
-  wake has just mapped, not by work the driver finishes in the background.
+  ``first`` longer than ``again`` at every pause is not work the driver finishes in the
+  background: it comes with the first call since the wake, the first to read what the
+  wake mapped.
 
 At the end the kernel's sums of five allocations are compared with the torch reference,
 and every allocation must be found unchanged. It changes nothing: it measures.
