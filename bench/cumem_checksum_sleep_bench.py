@@ -46,6 +46,7 @@ if str(SRC) not in sys.path:
     sys.path.insert(0, str(SRC))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import checksum_bench  # noqa: E402
 import cumem_wake_maps_bench as wake_bench  # noqa: E402
 from cumem_wake_maps_bench import layout  # noqa: E402
 from sm12x_bundle import native  # noqa: E402
@@ -108,11 +109,8 @@ class Bench:
             checksum.release = release
 
     def kernel_alone(self, reps: int) -> list[float]:
-        torch, c = self.torch, self.skip.checksum
-        laid = c.lay_out(self.spans(), self.device)
-        addrs, index = (self.ck._upload(x, self.device) for x in laid[:2])
-        out = torch.empty(2, addrs.numel() + 1, dtype=torch.int64, device=self.device)
-        return [self.timed(lambda: c.whole_values(addrs, index, out, self.device)) for _ in range(reps)]
+        launch = checksum_bench.whole_kernel(self.ck, self.skip.checksum, self.spans(), self.device)
+        return [self.timed(launch) for _ in range(reps)]
 
     def spans(self) -> list[tuple[int, int]]:
         return [(p, d.handle[1]) for p, d in self.backed]

@@ -25,8 +25,8 @@ call timed on the host clock; each sleep is timed too, with its own record
 - ``engine``: the other engine of a rotation, with the same tree's allocator and the same
   layout: before each wake it wakes, then sleeps (its weights unchanged: the sleep a
   steady swap makes), as a rotation puts the awake engine to sleep before it wakes the
-  other. Both processes' heaps are frozen (``gc.freeze()``), as an engine's are, so that
-  the sleeps' collections take what they take in an engine. Its sleeps are recorded.
+  other. Both processes' heaps are frozen (``gc.freeze()``), as an engine's are. Its
+  sleeps are recorded.
   With ``--other-sleep kv-first`` it unmaps its discarded allocations before its sleep
   proper (its checksum and the weights' unmaps): what releasing the KV cache first would
   give the wake.
@@ -79,6 +79,8 @@ if str(SRC) not in sys.path:
     sys.path.insert(0, str(SRC))
 
 from sm12x_bundle import native  # noqa: E402
+from sm12x_bundle.enginecheck.ceilings import _best  # noqa: E402
+from sm12x_bundle.enginecheck.vmm import _Span  # noqa: E402
 from sm12x_bundle.selftest import loader  # noqa: E402
 
 MiB = 1 << 20
@@ -148,14 +150,6 @@ def kv_after_copies(own, alloc, restored, emptied, woken) -> dict:
     mapped = own(alloc, [], emptied, woken)
     return {**copied, **{k: v for k, v in mapped.items() if k.startswith("map_emptied")},
             "emptied": mapped.get("emptied", len(emptied))}
-
-
-class _Span:
-    """Memory at an address (device memory, or pinned host memory through its unified
-    address), for torch.as_tensor: the CUDA array interface, v2."""
-
-    def __init__(self, addr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False), "version": 2}
 
 
 def kernel_wake(cumem, alloc, restored, emptied, woken, share: float, maps_first: bool = False) -> dict:
@@ -344,13 +338,7 @@ def h2d_ceiling(nbytes: int = 4 << 30, reps: int = 3) -> float:
 
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        dev.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
+    best = _best(torch, lambda: dev.copy_(host, non_blocking=True), reps)
     del host, dev
     torch.cuda.empty_cache()
     return nbytes / best
